@@ -1,0 +1,33 @@
+"""companion: the production code of the book *NaN gradients in TensorFlow*.
+
+Importing :mod:`companion` is cheap: it does not import TensorFlow. The submodules
+load on first use, so ``companion.notebook.setup()`` can quiet TensorFlow's C++ logging
+before TensorFlow itself is imported.
+
+Submodules:
+    numerics: numerically safe tensor functions (e.g. :func:`companion.numerics.double_where`).
+    notebook: one-call set-up for the book's chapters.
+    training: :func:`companion.training.train`, a training loop that survives NaN.
+    diagnostics: which gradients are non-finite, and where the first NaN appears.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from companion._version import __version__
+
+_SUBMODULES = ("diagnostics", "notebook", "numerics", "training")
+
+__all__ = ["__version__", *_SUBMODULES]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"companion.{name}")
+    raise AttributeError(f"module 'companion' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,64 @@
+"""Helpers shared by the contributor scripts and the tests: the Colab cell, the book's settings.
+
+Not part of the ``companion`` package: nothing here is needed to *use* the book's code.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BOOK = ROOT / "book"
+COLAB_TAGS = ["nbval-skip", "remove-cell"]
+COLAB_MARKER = '"google.colab" in sys.modules'
+
+
+def package_version() -> str:
+    """``companion.__version__``, read from its single source without importing TensorFlow."""
+    text = (ROOT / "companion" / "_version.py").read_text()
+    return re.search(r'^__version__ = "([^"]+)"', text, re.M).group(1)
+
+
+def repository_url() -> str:
+    """``repository.url`` of ``_config.yml``: the one setting to change when publishing a fork."""
+    import yaml
+
+    config = yaml.safe_load((ROOT / "_config.yml").read_text())
+    return config["repository"]["url"].rstrip("/")
+
+
+def repository_branch() -> str:
+    import yaml
+
+    config = yaml.safe_load((ROOT / "_config.yml").read_text())
+    return config["repository"].get("branch", "main")
+
+
+def colab_install_spec(url: str | None = None, version: str | None = None) -> str:
+    """The pip requirement the Colab cell installs: the tagged release of this version."""
+    url = url or repository_url()
+    version = version or package_version()
+    return f"nan-gradients-companion @ git+{url}@v{version}"
+
+
+def colab_cell_source(url: str | None = None, version: str | None = None) -> str:
+    """Source of the first code cell of every chapter."""
+    return (
+        "# In Google Colab only: install the companion package at the version this book was built with.\n"
+        "import sys\n"
+        "\n"
+        f"if {COLAB_MARKER}:\n"
+        f'    %pip install --quiet "{colab_install_spec(url, version)}"'
+    )
+
+
+def notebooks() -> list[pathlib.Path]:
+    """Every chapter notebook of the book, sorted."""
+    return sorted(
+        p for p in BOOK.rglob("*.ipynb") if "_build" not in p.parts and ".ipynb_checkpoints" not in p.parts
+    )
+
+
+def first_code_cell(nb: dict) -> dict | None:
+    return next((c for c in nb["cells"] if c["cell_type"] == "code"), None)

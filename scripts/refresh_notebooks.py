@@ -1,0 +1,79 @@
+"""Refresh every chapter: sync its Colab cell, re-execute it in place, drop stderr.
+
+    python scripts/refresh_notebooks.py              # every notebook under book/
+    python scripts/refresh_notebooks.py book/x.ipynb # just these
+
+Run it after changing `companion` code that a chapter shows, after changing
+`repository.url` in `_config.yml` or the package version, and commit the result: the test
+suite re-runs every chapter under nbval and fails when the committed outputs are stale.
+Notebooks run with the same environment as the tests (cwd = the notebook's folder,
+TensorFlow's C++ logging quiet), and stderr outputs are dropped: they are machine noise,
+and nbval leaves them out of the comparison too (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+import time
+
+import nbformat
+from nbclient import NotebookClient
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import book_tools  # noqa: E402
+
+KERNEL_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONHASHSEED": "0"}
+
+
+def sync_colab_cell(nb) -> bool:
+    """Make the first code cell the canonical Colab cell; return whether it changed."""
+    source = book_tools.colab_cell_source()
+    cell = book_tools.first_code_cell(nb)
+    if cell is not None and book_tools.COLAB_MARKER in "".join(cell["source"]):
+        changed = cell["source"] != source or cell["metadata"].get("tags") != book_tools.COLAB_TAGS
+        cell["source"] = source
+        cell["metadata"]["tags"] = list(book_tools.COLAB_TAGS)
+        cell["outputs"] = []
+        cell["execution_count"] = None
+        return changed
+    new = nbformat.v4.new_code_cell(source, metadata={"tags": list(book_tools.COLAB_TAGS)})
+    index = nb["cells"].index(cell) if cell is not None else len(nb["cells"])
+    nb["cells"].insert(index, new)
+    return True
+
+
+def refresh(path: pathlib.Path, execute: bool = True, timeout: int = 300) -> None:
+    nb = nbformat.read(path, as_version=4)
+    sync_colab_cell(nb)
+    if execute:
+        os.environ.update(KERNEL_ENV)
+        start = time.perf_counter()
+        NotebookClient(
+            nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+        ).execute()
+        for cell in nb["cells"]:
+            if cell["cell_type"] == "code":
+                cell["outputs"] = [
+                    o for o in cell["outputs"] if not (o["output_type"] == "stream" and o["name"] == "stderr")
+                ]
+        print(f"{path}: executed in {time.perf_counter() - start:.1f} s", flush=True)
+    nbformat.write(nb, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("notebooks", nargs="*", type=pathlib.Path, help="default: every notebook under book/")
+    parser.add_argument("--no-execute", action="store_true", help="only sync the Colab cells")
+    args = parser.parse_args(argv)
+    paths = args.notebooks or book_tools.notebooks()
+    for i, path in enumerate(paths, 1):
+        print(f"[{i}/{len(paths)}] {path}", flush=True)
+        refresh(path.resolve(), execute=not args.no_execute)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
