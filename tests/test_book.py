@@ -1,0 +1,113 @@
+"""The book's structure: every chapter is in the table of contents, carries the Colab cell,
+and has committed outputs that nbval can compare."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+import pytest
+import yaml
+
+import book_tools
+import companion
+
+NOTEBOOKS = book_tools.notebooks()
+IDS = [str(p.relative_to(book_tools.BOOK)) for p in NOTEBOOKS]
+
+
+def _load(path: pathlib.Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def _toc_files() -> set[str]:
+    toc = yaml.safe_load((book_tools.ROOT / "_toc.yml").read_text())
+    files = {toc["root"]}
+    stack = list(toc.get("parts", [])) + list(toc.get("chapters", []))
+    while stack:
+        entry = stack.pop()
+        if "file" in entry:
+            files.add(entry["file"])
+        stack.extend(entry.get("chapters", []) + entry.get("sections", []))
+    return files
+
+
+def test_book_has_chapters():
+    assert NOTEBOOKS, "no notebooks found under book/"
+
+
+def test_every_notebook_is_in_the_toc_and_every_toc_entry_exists():
+    toc = _toc_files()
+    listed = {str(p.relative_to(book_tools.ROOT).with_suffix("")) for p in NOTEBOOKS}
+    assert listed <= toc, f"notebooks missing from _toc.yml: {sorted(listed - toc)}"
+    for entry in toc:
+        candidates = [book_tools.ROOT / f"{entry}{ext}" for ext in (".md", ".ipynb")]
+        assert any(c.exists() for c in candidates), f"_toc.yml lists {entry}, which does not exist"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_first_code_cell_installs_this_version_only_in_colab(path):
+    cell = book_tools.first_code_cell(_load(path))
+    source = "".join(cell["source"])
+    assert source == book_tools.colab_cell_source(), (
+        f"{path.name}: the Colab cell is out of date; run `python scripts/refresh_notebooks.py --no-execute`"
+    )
+    pinned = re.search(r"@v(\d+\.\d+\.\d+\S*)\"", source).group(1)
+    assert pinned == companion.__version__
+    assert book_tools.repository_url() in source
+    assert set(book_tools.COLAB_TAGS) <= set(cell["metadata"].get("tags", []))  # nbval-skip: not run by nbval
+
+
+def test_colab_cell_is_valid_ipython_and_installs_nothing_outside_colab(monkeypatch):
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    python = TransformerManager().transform_cell(book_tools.colab_cell_source())
+    calls = []
+
+    class FakeIPython:
+        def run_line_magic(self, name, line, *args, **kwargs):
+            calls.append((name, line))
+
+    namespace = {"get_ipython": lambda: FakeIPython()}
+    exec(compile(python, "<colab cell>", "exec"), namespace)
+    assert calls == [], "the cell must not install anything outside Colab"
+
+    monkeypatch.setitem(__import__("sys").modules, "google.colab", object())
+    exec(compile(python, "<colab cell>", "exec"), namespace)
+    assert calls and calls[0][0] == "pip"
+    assert book_tools.colab_install_spec() in calls[0][1]
+
+
+def test_installed_distribution_has_the_package_version():
+    from importlib.metadata import version
+
+    assert version("nan-gradients-companion") == companion.__version__ == book_tools.package_version()
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_notebook_outputs_are_committed_and_clean(path):
+    cells = [c for c in _load(path)["cells"] if c["cell_type"] == "code"]
+    for index, cell in enumerate(cells):
+        source = "".join(cell["source"])
+        if book_tools.COLAB_MARKER in source:
+            continue
+        tags = cell["metadata"].get("tags", [])
+        assert cell["execution_count"] is not None, f"{path.name}: code cell {index} was never run"
+        for output in cell["outputs"]:
+            assert not (output["output_type"] == "stream" and output["name"] == "stderr"), (
+                f"{path.name}: code cell {index} has a committed stderr output"
+            )
+            if output["output_type"] == "error":
+                assert "raises-exception" in tags, f"{path.name}: code cell {index} failed: {output['ename']}"
+        assert not re.search(r"^(def|class) ", source, re.M), (
+            f"{path.name}: code cell {index} defines a function or class; production code belongs in companion/"
+        )
+    counts = [c["execution_count"] for c in cells if c["execution_count"] is not None]
+    assert counts == list(range(counts[0], counts[0] + len(counts))), f"{path.name}: cells not run top to bottom"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_notebook_starts_with_setup(path):
+    cells = [c for c in _load(path)["cells"] if c["cell_type"] == "code"]
+    assert "setup(seed=" in "".join(cells[1]["source"]), f"{path.name}: the cell after the Colab cell must call setup"
