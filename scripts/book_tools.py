@@ -62,3 +62,20 @@ def notebooks() -> list[pathlib.Path]:
 
 def first_code_cell(nb: dict) -> dict | None:
     return next((c for c in nb["cells"] if c["cell_type"] == "code"), None)
+
+
+LINKED_PAGES = ("README.md", "book/**/*.md")
+
+
+def linked_pages() -> list[pathlib.Path]:
+    """The pages that spell out the repository URL (the notebooks get it from their Colab cell)."""
+    pages = []
+    for pattern in LINKED_PAGES:
+        pages.extend(p for p in ROOT.glob(pattern) if "_build" not in p.parts)
+    return sorted(pages)
+
+
+def installed_url(cell_source: str) -> str | None:
+    """The repository URL a Colab cell installs from, or None."""
+    match = re.search(r"git\+(\S+?)@v", cell_source)
+    return match.group(1) if match else None

@@ -4,7 +4,8 @@
     python scripts/refresh_notebooks.py book/x.ipynb # just these
 
 Run it after changing `companion` code that a chapter shows, after changing
-`repository.url` in `_config.yml` or the package version, and commit the result: the test
+`repository.url` in `_config.yml` (it also rewrites the links in README.md and the book's
+pages) or the package version, and commit the result: the test
 suite re-runs every chapter under nbval and fails when the committed outputs are stale.
 Notebooks run with the same environment as the tests (cwd = the notebook's folder,
 TensorFlow's C++ logging quiet), and stderr outputs are dropped: they are machine noise,
@@ -63,12 +64,28 @@ def refresh(path: pathlib.Path, execute: bool = True, timeout: int = 300) -> Non
     nbformat.write(nb, path)
 
 
+def sync_links(old_url: str, new_url: str) -> None:
+    """Replace the previous repository URL in README.md and the book's pages."""
+    for page in book_tools.linked_pages():
+        text = page.read_text()
+        if old_url in text:
+            page.write_text(text.replace(old_url, new_url))
+            print(f"{page}: repository links now point to {new_url}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("notebooks", nargs="*", type=pathlib.Path, help="default: every notebook under book/")
     parser.add_argument("--no-execute", action="store_true", help="only sync the Colab cells")
     args = parser.parse_args(argv)
     paths = args.notebooks or book_tools.notebooks()
+    new_url = book_tools.repository_url()
+    for path in book_tools.notebooks():
+        cell = book_tools.first_code_cell(nbformat.read(path, as_version=4))
+        old_url = book_tools.installed_url("".join(cell["source"])) if cell else None
+        if old_url and old_url != new_url:
+            sync_links(old_url, new_url)
+            break
     for i, path in enumerate(paths, 1):
         print(f"[{i}/{len(paths)}] {path}", flush=True)
         refresh(path.resolve(), execute=not args.no_execute)

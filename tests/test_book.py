@@ -111,3 +111,16 @@ def test_notebook_outputs_are_committed_and_clean(path):
 def test_notebook_starts_with_setup(path):
     cells = [c for c in _load(path)["cells"] if c["cell_type"] == "code"]
     assert "setup(seed=" in "".join(cells[1]["source"]), f"{path.name}: the cell after the Colab cell must call setup"
+
+
+def test_pages_link_to_the_configured_repository():
+    url = book_tools.repository_url()
+    owner_repo = re.compile(r"github\.com/([\w.-]+/[\w.-]+)")
+    for page in book_tools.linked_pages():
+        for found in owner_repo.findall(page.read_text()):
+            if found.split("/")[0] in {"tensorflow", "keras-team", "jupyter-book", "computationalmodelling"}:
+                continue
+            assert url.endswith(found.removesuffix(".git")), (
+                f"{page.name} links to {found}, not to repository.url {url}; "
+                "run `python scripts/refresh_notebooks.py --no-execute`"
+            )
