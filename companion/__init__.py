@@ -9,6 +9,9 @@ Submodules:
     notebook: one-call set-up for the book's chapters.
     training: :func:`companion.training.train`, a training loop that survives NaN.
     diagnostics: which gradients are non-finite, and where the first NaN appears.
+    attention: scaled dot-product attention and the attention block of ParameterNet.
+    models: :class:`companion.models.ParameterNet`, case A's model with switchable fixes.
+    targets: the families of target functions g(x) that ParameterNet fits.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 
 from companion._version import __version__
 
-_SUBMODULES = ("diagnostics", "notebook", "numerics", "training")
+_SUBMODULES = ("attention", "diagnostics", "models", "notebook", "numerics", "reproductions", "targets", "training")
 
 __all__ = ["__version__", *_SUBMODULES]
 

@@ -6,11 +6,15 @@ guarantee it gives, in the spirit of ``tensorflow_probability.math``.
 
 from __future__ import annotations
 
+import functools
+import math
+from fractions import Fraction
 from typing import Callable
 
+import numpy as np
 import tensorflow as tf
 
-__all__ = ["double_where"]
+__all__ = ["bounded", "bounded_inverse", "double_where", "log_exp_pow", "safe_pow", "signed_pow", "tilted_mean"]
 
 _FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 
@@ -20,7 +24,12 @@ def _as_float_tensor(value, name: str, dtype: tf.DType | None = None) -> tf.Tens
     if isinstance(value, (str, bytes)):
         raise TypeError(f"{name} must be a floating-point tensor, got a string {value!r}")
     try:
-        tensor = tf.convert_to_tensor(value, dtype_hint=dtype or tf.float32)
+        if isinstance(value, (tf.Tensor, tf.Variable, np.ndarray)):
+            # Arrays and tensors keep their own dtype (a float64 array must not become float32).
+            tensor = tf.convert_to_tensor(value)
+        else:
+            # Python and NumPy scalars and lists take x's dtype, or float32.
+            tensor = tf.convert_to_tensor(value, dtype_hint=dtype or tf.float32)
     except (TypeError, ValueError) as err:
         raise TypeError(f"{name} must be a floating-point tensor, got {type(value).__name__}: {err}") from None
     if tensor.dtype not in _FLOAT_DTYPES:
@@ -93,3 +102,670 @@ def double_where(
     safe = tf.cast(safe_x, x.dtype)
     x_safe = tf.where(condition, x, safe)
     return tf.where(condition, fn(x_safe), otherwise)
+
+
+# --- powers: the x^b and f^c of case A ---------------------------------------------------
+
+_HALF_DTYPES = (tf.float16, tf.bfloat16)
+
+
+def _float_limits(dtype: tf.DType) -> tuple[float, float]:
+    """(smallest normal number, largest finite number) of a TensorFlow float dtype."""
+    if dtype == tf.bfloat16:  # NumPy's finfo does not know bfloat16
+        return 2.0**-126, float(dtype.max)
+    info = np.finfo(dtype.as_numpy_dtype)
+    return float(info.tiny), float(info.max)
+
+
+def _sum_to_shape(gradient: tf.Tensor, shape: tf.Tensor, other_shape: tf.Tensor) -> tf.Tensor:
+    """Undo broadcasting in a gradient: sum over the broadcast axes, reshape to ``shape``."""
+    axes, _ = tf.raw_ops.BroadcastGradientArgs(s0=shape, s1=other_shape)
+    return tf.reshape(tf.reduce_sum(gradient, axis=axes), shape)
+
+
+def _power_float(x: tf.Tensor, p: tf.Tensor, *, signed: bool, limit: float) -> tf.Tensor:
+    """`safe_pow` (``signed=False``) or `signed_pow` (``signed=True``) in float32/float64.
+
+    ``limit`` is the largest finite number of the caller's dtype: the derivatives are
+    clamped to it, so they stay finite after a cast back to float16 or bfloat16.
+    """
+    dtype = x.dtype
+    tiny = tf.constant(_float_limits(dtype)[0], dtype)
+    limit = tf.constant(limit, dtype)
+    nan = tf.constant(np.nan, dtype)
+
+    @tf.custom_gradient
+    def power(x, p):
+        magnitude = tf.abs(x) if signed else x
+        # The double where: pow and log only ever see a normal positive base; 1 replaces
+        # every other base, and what it gives is discarded.
+        inside = magnitude >= tiny
+        base = tf.where(inside, magnitude, tf.ones_like(magnitude))
+        powered = tf.pow(base, p)
+        is_nan = tf.math.is_nan(x) | tf.math.is_nan(p)  # NaN in, NaN out: the where would hide it
+        value = tf.where(inside, powered, tf.zeros_like(powered))
+        if signed:
+            value = tf.where(x < 0, -value, value)
+        value = tf.where(is_nan, nan, value)
+
+        def grad(upstream: tf.Tensor):
+            # d/dx |x|^p = p |x|^(p-1) and d/dp |x|^p = |x|^p log|x|. Wherever |x|^p is a
+            # finite normal number both come from it (two roundings after pow's). Where
+            # it over- or underflows, the derivatives may not: there they are computed as
+            # exp(log|p| + (p-1) log|x|) and exp(p log|x| + log|log|x||), with a relative
+            # error of about |exponent| * eps, ~6e-6 in float32.
+            log_base = tf.math.log(base)
+            normal = tf.math.is_finite(powered) & (powered >= tiny)
+            from_value = p * (powered / base)
+            via_log = tf.sign(p) * tf.exp(tf.math.log(tf.abs(p)) + tf.math.multiply_no_nan(log_base, p - 1))
+            slope = tf.where(normal, from_value, via_log)
+            slope = tf.minimum(tf.maximum(slope, -limit), limit)
+            # The boundary |x| < tiny: 0 (see the docstrings), except signed_pow(x, 1) = x,
+            # whose derivative 1 is kept.
+            boundary = tf.zeros_like(slope)
+            if signed:
+                boundary = tf.where(tf.equal(p, 1), tf.ones_like(slope), boundary)
+            slope = tf.where(inside, slope, boundary)
+            # d/dp: 0 where the value is the constant 0.
+            dp_via_log = tf.sign(log_base) * tf.exp(p * log_base + tf.math.log(tf.abs(log_base)))
+            dp = tf.where(normal, powered * log_base, dp_via_log)
+            dp = tf.minimum(tf.maximum(dp, -limit), limit)
+            dp = tf.where(inside, dp, tf.zeros_like(dp))
+            if signed:
+                dp = tf.where(x < 0, -dp, dp)
+            slope = tf.where(is_nan, nan, slope)
+            dp = tf.where(is_nan, nan, dp)
+            shape_x, shape_p = tf.shape(x), tf.shape(p)
+            return (
+                _sum_to_shape(upstream * slope, shape_x, shape_p),
+                _sum_to_shape(upstream * dp, shape_p, shape_x),
+            )
+
+        return value, grad
+
+    return power(x, p)
+
+
+def _power(x, p, *, signed: bool, name: str) -> tf.Tensor:
+    with tf.name_scope(name):
+        x = _as_float_tensor(x, "x")
+        p = _as_float_tensor(p, "p", dtype=x.dtype)
+        limit = _float_limits(x.dtype)[1]
+        if x.dtype in _HALF_DTYPES:
+            result = _power_float(tf.cast(x, tf.float32), tf.cast(p, tf.float32), signed=signed, limit=limit)
+            return tf.cast(result, x.dtype)
+        return _power_float(x, p, signed=signed, limit=limit)
+
+
+def safe_pow(x, p, name: str | None = None) -> tf.Tensor:
+    r"""``x**p`` for ``x > 0`` and ``0`` for ``x <= 0``, with finite gradients everywhere.
+
+    ```none
+    safe_pow(x, p) = x^p    for x > 0,         0 for x <= 0          (p > 0)
+    d/dx           = p x^(p-1) for x > 0,      0 for x <= 0
+    d/dp           = x^p log(x) for x > 0,     0 for x <= 0
+    ```
+
+    **Why the naive form fails.** `tf.pow(x, p)` has the right value at 0, but its
+    gradient with respect to the base, ``p * 0^(p-1)``, is ``+inf`` for ``0 < p < 1``.
+    The chain rule multiplies it by the derivative of whatever produced the base: in
+    ``(a * x) ** p`` that is ``x`` for ``a``, which is 0 at ``x = 0``, and ``0 * inf``
+    is NaN, while the loss stays finite. (TensorFlow 2.21 masks the exponent side,
+    ``x^p log x = 0 * -inf``, but not the base side.) For ``x < 0`` and a non-integer
+    ``p``, `tf.pow` returns NaN value and gradients, and ``tf.where(x > 0, tf.pow(x, p), 0)``
+    does not help: the unused branch still sends its NaN into the gradient (the
+    ``tf.where`` trap, see `double_where`).
+
+    **What is computed instead.** A double where (the base is replaced by 1 wherever it
+    is not a positive normal number, so `tf.pow` never sees 0 or a negative number) and a
+    `tf.custom_gradient` that returns the derivatives above, clamped to the finite range.
+
+    **The gradient at 0.** For ``x < 0`` the function is the constant 0, so both
+    derivatives are 0. At ``x = 0`` itself ``d/dx`` is taken to be 0, the derivative from
+    the left, as `tf.nn.relu` does at 0 (``safe_pow(x, 1)`` is relu). For ``p > 1`` that
+    is the true derivative; for ``p = 1`` it is one of the two one-sided ones; for
+    ``p < 1`` the derivative from the right is ``+inf`` and any finite value is a
+    convention. 0 is chosen over the largest finite number because:
+
+    - a gradient of about 3.4e38 (float32) is not usable: multiplied by any weight
+      larger than 1 it overflows to inf, and Adam squares it into its second moment,
+      which becomes inf and freezes that weight for good: the NaN only moves one op on;
+    - in the chain ``x -> a x -> (a x)^p`` the gradient with respect to ``a`` at
+      ``x = 0`` is ``x * f'(0) = 0`` for any finite ``f'(0)``, and 0 is also its true
+      limit, ``lim x * p (a x)^(p-1) = p a^(p-1) x^p -> 0``. The convention only shows
+      where the base is shifted, ``(x + s)^p``, whose true gradient is infinite anyway;
+    - just right of 0 the derivative keeps its large true value (``p x^(p-1) <= 1/x``
+      for ``p <= 1, x <= 1``, finite for every normal ``x``): the steepness is not
+      hidden, only the single point where it is infinite.
+
+    **Thresholds from the dtype.** "``x > 0``" is ``x >= finfo.tiny``, the smallest
+    normal number: TensorFlow's CPU kernels flush subnormal numbers to zero, and this
+    makes a subnormal ``x`` count as 0 on every device. Both derivatives are clamped to
+    ``[-finfo.max, finfo.max]``. For ``0 < p <= 1`` and normal ``x`` the derivative
+    never reaches the bound (it is at most ``1/tiny``); it is reached for ``p > 1`` and
+    ``x > max^(1/(p-1))`` (``x > 1.8e19`` for ``p = 2`` in float32), where the value
+    ``x^p`` has already overflowed to inf, and ``d/dp`` where ``x^p log x`` overflows.
+    So the derivatives are finite for every finite ``x``; the product with the upstream
+    gradient can still overflow where the true gradient is not representable (e.g.
+    ``d/da (a x)^p = p (a x)^p / a`` once ``(a x)^p`` is near the largest float).
+
+    **Accuracy.** The value is `tf.pow`'s own for ``x >= tiny`` (in float32 within
+    2e-6 relative error of the exact value wherever that is a normal number). The
+    derivatives are ``p * (x^p / x)`` and ``x^p * log(x)`` where ``x^p`` is a finite
+    normal number (a few ulp), else ``exp(log(p) + (p - 1) log(x))`` and
+    ``exp(p log(x) + log(log(x)))`` (with signs), which stay accurate where ``x^p``
+    over- or underflows but the derivative does not (relative error about
+    ``|exponent| * eps``, below 1e-5 in float32). float16 and bfloat16 inputs are
+    computed in float32 and cast back.
+
+    Args:
+        x: floating-point tensor (float16, bfloat16, float32 or float64).
+        p: the exponent, broadcastable against ``x``, same dtype (a Python number is
+            converted). Meant for ``p > 0`` (the guarantees are tested for
+            ``0.05 <= p <= 4``); for ``p <= 0`` the result is still ``x^p`` for
+            ``x > 0`` and 0 for ``x <= 0`` (not the limit 1 or inf), with clamped
+            derivatives.
+        name: name scope of the ops; defaults to "safe_pow".
+
+    Returns:
+        A tensor of the broadcast shape of ``x`` and ``p``, dtype of ``x``; NaN where
+        ``x`` or ``p`` is NaN.
+
+    Raises:
+        TypeError: if ``x`` is not floating point or ``p`` has another dtype.
+
+    Example:
+        >>> a = tf.Variable(1.5)
+        >>> x = tf.constant([0.0, 4.0])
+        >>> with tf.GradientTape() as tape:
+        ...     y = tf.reduce_sum(safe_pow(a * x, 0.5))  # tf.pow: the gradient is NaN
+        >>> round(float(y), 4), round(float(tape.gradient(y, a)), 4)
+        (2.4495, 0.8165)
+    """
+    return _power(x, p, signed=False, name=name or "safe_pow")
+
+
+def signed_pow(x, p, name: str | None = None) -> tf.Tensor:
+    r"""``sign(x) * |x|**p``, the odd extension of the power, with finite gradients.
+
+    ```none
+    signed_pow(x, p) = sign(x) |x|^p,          signed_pow(0, p) = 0       (p > 0)
+    d/dx             = p |x|^(p-1)  for x != 0
+    d/dp             = sign(x) |x|^p log|x| for x != 0,   0 at x = 0
+    ```
+
+    For inputs that can be negative: a learned power of a signed quantity, or a target
+    like ``sign(x) |x|^b`` on [-1, 1]. It is odd and increasing in ``x`` for ``p > 0``,
+    so unlike `safe_pow` it does not map a whole half-line to a constant (whose zero
+    gradient can leave a term dead).
+
+    **Why the naive form fails.** ``tf.sign(x) * tf.pow(tf.abs(x), p)`` has the right
+    value, but at ``x = 0`` the derivative of ``|x|^p`` is ``+inf`` for ``p < 1`` and the
+    chain rule multiplies it by ``sign(0) = 0`` or by the 0 of an ``a * x`` upstream:
+    NaN. `tf.pow(x, p)` itself is NaN for negative ``x`` and non-integer ``p``.
+
+    **The gradient at 0.** ``d/dx`` at ``x = 0`` is the true derivative where it is
+    finite, 0 for ``p > 1`` and 1 for ``p = 1`` (``signed_pow(x, 1)`` is the identity),
+    and 0 for ``p < 1``, where the true derivative is ``+inf`` from both sides. 0 rather
+    than the largest finite number, for the reasons given in `safe_pow`: a gradient of
+    ~1e38 overflows one multiplication later and poisons Adam's second moment, and in
+    ``(a x)^p`` the gradient with respect to ``a`` at ``x = 0`` is 0 for any finite
+    convention, its true limit. ``d/dp`` at 0 is 0: the value is 0 for every ``p``.
+
+    Everything else (the double where, the custom gradient, ``x`` below the smallest
+    normal number counting as 0, derivatives clamped to the dtype's finite range, value
+    accuracy equal to `tf.pow`'s, float16/bfloat16 computed in float32) is as in
+    `safe_pow`, applied to ``|x|``.
+
+    Args:
+        x: floating-point tensor (float16, bfloat16, float32 or float64), any sign.
+        p: the exponent, broadcastable against ``x``, same dtype (a Python number is
+            converted); meant for ``p > 0`` (tested for ``0.05 <= p <= 4``).
+        name: name scope of the ops; defaults to "signed_pow".
+
+    Returns:
+        A tensor of the broadcast shape of ``x`` and ``p``, dtype of ``x``; NaN where
+        ``x`` or ``p`` is NaN.
+
+    Raises:
+        TypeError: if ``x`` is not floating point or ``p`` has another dtype.
+
+    Example:
+        >>> x = tf.constant([-8.0, 0.0, 8.0])
+        >>> with tf.GradientTape() as tape:
+        ...     tape.watch(x)
+        ...     y = signed_pow(x, 1.0 / 3.0)
+        >>> y.numpy().round(4), tape.gradient(y, x).numpy().round(4)
+        (array([-2.,  0.,  2.], dtype=float32), array([0.0833, 0.    , 0.0833], dtype=float32))
+    """
+    return _power(x, p, signed=True, name=name or "signed_pow")
+
+
+def log_exp_pow(x, p, eps: float = 1e-6, name: str | None = None) -> tf.Tensor:
+    r"""The power that case A's answer proposes, exactly as written: ``exp(p * log(max(x, eps)))``.
+
+    ```none
+    log_exp_pow(x, p) = exp(p log(max(x, eps)))  =  x^p for x >= eps,   eps^p for x < eps
+    ```
+
+    Kept so that the book can measure what it costs; use `safe_pow` or `signed_pow`
+    instead. Its gradients are finite at 0 (``max`` sends the gradient to ``eps``, so
+    ``d/dx = 0`` for ``x < eps``), but:
+
+    - **the value at 0 is eps^p, not 0**: ``1e-3`` for ``p = 0.5``, ``0.25`` for
+      ``p = 0.1``; a model that needs ``g(0) = 0`` has to fight it with other terms;
+    - **negative inputs are silently mapped to eps^p**: no NaN that would say that
+      ``x^p`` is not defined there, and a zero gradient that says nothing either;
+    - **``d/dx`` is 0 for all ``x < eps``**: no learning signal there;
+    - **the relative error grows with ``|p log x|``**: the rounding error of
+      ``p * log(x)`` (about ``|p log x|`` ulps of 1) is turned by ``exp`` into a
+      relative error of about ``|p log x| * eps_machine``, e.g. ~1e-5 in float32 for
+      ``x = 1e30, p = 2``, where `tf.pow` is within an ulp or two.
+    - ``eps = 1e-6`` is a float32 choice: it is subnormal in float16 (smallest normal
+      6.1e-5), where TensorFlow may flush it to 0 and ``log`` returns ``-inf``.
+
+    Args:
+        x: floating-point tensor.
+        p: the exponent, broadcastable against ``x``, same dtype (a Python number is
+            converted).
+        eps: the positive floor of ``x``, converted to ``x``'s dtype. Default 1e-6, the
+            answer's value.
+        name: name scope of the ops; defaults to "log_exp_pow".
+
+    Returns:
+        A tensor of the broadcast shape of ``x`` and ``p``, dtype of ``x``.
+
+    Raises:
+        TypeError: if ``x`` is not floating point or ``p`` has another dtype.
+        ValueError: if ``eps`` is not a positive finite number.
+
+    Example:
+        >>> log_exp_pow(tf.constant([-1.0, 0.0, 4.0]), 0.1).numpy().round(4)  # x^0.1 is 0 at 0
+        array([0.2512, 0.2512, 1.1487], dtype=float32)
+    """
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating, np.integer)):
+        raise TypeError(f"eps must be a positive number like 1e-6, got {type(eps).__name__} {eps!r}")
+    if not (math.isfinite(float(eps)) and float(eps) > 0):
+        raise ValueError(f"eps must be a positive finite number, got {eps!r}")
+    with tf.name_scope(name or "log_exp_pow"):
+        x = _as_float_tensor(x, "x")
+        p = _as_float_tensor(p, "p", dtype=x.dtype)
+        return tf.exp(p * tf.math.log(tf.maximum(x, tf.cast(eps, x.dtype))))
+
+
+def _check_interval(low, high) -> tuple[float, float]:
+    for label, bound in (("low", low), ("high", high)):
+        if isinstance(bound, bool) or not isinstance(bound, (int, float, np.floating, np.integer)):
+            raise TypeError(f"{label} must be a real number, got {type(bound).__name__} {bound!r}")
+        if not math.isfinite(float(bound)):
+            raise ValueError(f"{label} must be finite, got {bound!r}")
+    if not float(low) < float(high):
+        raise ValueError(f"low must be smaller than high, got low={low!r} and high={high!r}")
+    return float(low), float(high)
+
+
+def bounded(raw, low: float, high: float, name: str | None = None) -> tf.Tensor:
+    r"""Map an unconstrained value into the interval (low, high) with a sigmoid.
+
+    ```none
+    bounded(raw, low, high) = low + (high - low) * sigmoid(raw)
+    d/draw                  = (high - low) * sigmoid(raw) * (1 - sigmoid(raw))
+    ```
+
+    Used for the exponents ``b`` and ``c`` of case A, which a network predicts as
+    unconstrained numbers: the answer proposes ``b = 0.1 + 1.9 * sigmoid(b_raw)``, i.e.
+    ``bounded(b_raw, 0.1, 2.0)``. The value and the gradient are finite for every
+    ``raw``, including ``+-inf`` (sigmoid is computed stably by TensorFlow).
+
+    What it does not do: it keeps an exponent *finite*, not *safe*. An interval that
+    contains exponents below 1, like the answer's [0.1, 2], still allows
+    ``tf.pow(0, b)`` with its infinite base-side derivative; that needs `safe_pow`.
+    Near the bounds the sigmoid saturates and the gradient vanishes (it is below
+    ``(high - low) * 4.5e-5`` for ``|raw| > 10``), and in floating point the result
+    reaches ``low`` or ``high`` exactly once ``sigmoid(raw)`` rounds to 0 or 1
+    (``|raw| > 17`` in float32), so the interval is closed in practice; the result is
+    clipped to ``[low, high]`` (rounded to the dtype) so that rounding never steps past
+    a bound.
+
+    Args:
+        raw: floating-point tensor of unconstrained values.
+        low: lower bound, a finite Python number.
+        high: upper bound, a finite Python number larger than ``low``.
+        name: name scope of the ops; defaults to "bounded".
+
+    Returns:
+        A tensor of the shape and dtype of ``raw`` with values in [low, high].
+
+    Raises:
+        TypeError: if ``raw`` is not floating point or a bound is not a number.
+        ValueError: if a bound is not finite or ``low >= high``.
+
+    Example:
+        >>> bounded(tf.constant([-100.0, 0.0, 100.0]), 0.1, 2.0).numpy()
+        array([0.1 , 1.05, 2.  ], dtype=float32)
+    """
+    low, high = _check_interval(low, high)
+    with tf.name_scope(name or "bounded"):
+        raw = _as_float_tensor(raw, "raw")
+        low_t, high_t = tf.cast(low, raw.dtype), tf.cast(high, raw.dtype)
+        value = low_t + tf.cast(high - low, raw.dtype) * tf.sigmoid(raw)
+        # The rounding of the product and the sum can step one ulp past a bound.
+        return tf.minimum(tf.maximum(value, low_t), high_t)
+
+
+def bounded_inverse(value, low: float, high: float, name: str | None = None) -> tf.Tensor:
+    r"""The ``raw`` for which `bounded` returns ``value``: the inverse of ``low + (high - low) sigmoid(raw)``.
+
+    ```none
+    bounded_inverse(v, low, high) = logit((v - low) / (high - low)) = log(v - low) - log(high - v)
+    ```
+
+    Use it to make a bounded parameter start at a chosen value, e.g. an exponent at
+    ``b = 1``: initialise ``b_raw`` to ``bounded_inverse(1.0, 0.1, 2.0)`` (= -0.1054).
+    The right-hand form has no cancellation near either bound (``1 - t`` for
+    ``t = (v - low) / (high - low)`` near 1 would lose digits); it is evaluated in
+    float64 and rounded to the dtype of ``value``, so
+    ``bounded(bounded_inverse(v, low, high), low, high)`` is ``v`` up to the rounding of
+    `bounded` itself (a few ulp).
+
+    Args:
+        value: floating-point tensor or number, strictly between ``low`` and ``high``.
+        low: lower bound, a finite Python number.
+        high: upper bound, a finite Python number larger than ``low``.
+        name: name scope of the ops; defaults to "bounded_inverse".
+
+    Returns:
+        A tensor of the shape of ``value``, dtype of ``value`` (float32 for a Python
+        number).
+
+    Raises:
+        TypeError: if ``value`` is not floating point or a bound is not a number.
+        ValueError: if a bound is not finite, ``low >= high``, or (for a value known
+            when the function is called) some ``value`` is not strictly inside
+            ``(low, high)``. Inside a ``tf.function`` the last check is a
+            ``tf.debugging`` assertion, raising ``InvalidArgumentError`` when it runs.
+
+    Example:
+        >>> raw = bounded_inverse(1.0, 0.1, 2.0)
+        >>> round(float(raw), 4), float(bounded(raw, 0.1, 2.0))
+        (-0.1054, 1.0)
+    """
+    low, high = _check_interval(low, high)
+    with tf.name_scope(name or "bounded_inverse"):
+        value = _as_float_tensor(value, "value")
+        wide = tf.cast(value, tf.float64)
+        static = wide.numpy() if tf.executing_eagerly() else tf.get_static_value(wide)
+        if static is not None:
+            concrete = np.asarray(static)
+            outside = ~((concrete > low) & (concrete < high))  # NaN counts as outside
+            if np.any(outside):
+                first = concrete[outside].flat[0] if concrete.ndim else concrete
+                raise ValueError(
+                    f"value must lie strictly between low={low} and high={high}, got {first!r}"
+                    + (f" ({int(outside.sum())} of {concrete.size} values outside)" if concrete.ndim else "")
+                )
+            checks = []
+        else:
+            checks = [
+                tf.debugging.assert_greater(wide, tf.constant(low, tf.float64), message="value must be > low"),
+                tf.debugging.assert_less(wide, tf.constant(high, tf.float64), message="value must be < high"),
+            ]
+        with tf.control_dependencies(checks):
+            raw = tf.math.log(wide - low) - tf.math.log(high - wide)
+        return tf.cast(raw, value.dtype)
+
+
+# --- tilted_mean: the f of case B ------------------------------------------------------
+
+#: |x| above which `tilted_mean` uses its closed form (see the docstring for why 4).
+_TILTED_MEAN_SWITCH = 4.0
+
+#: Series truncation budgets, as fractions of the dtype's eps (the ulp of 1). See
+#: `_tilted_mean_series_length`: each keeps the truncation error of the series below
+#: 1/16 ulp of the smallest value (or derivative) `tilted_mean` returns from the series.
+_SERIES_VALUE_BUDGET = 1.0 / 64.0
+_SERIES_DERIVATIVE_BUDGET = 1.0 / 128.0
+
+
+def _bernoulli_numbers(count: int) -> list[Fraction]:
+    """The exact Bernoulli numbers B_0, ..., B_{count-1} (Akiyama–Tanigawa algorithm).
+
+    This algorithm gives B_1 = +1/2; only the even-index numbers are used here, and
+    those do not depend on the convention.
+    """
+    row: list[Fraction] = []
+    numbers: list[Fraction] = []
+    for m in range(count):
+        row.append(Fraction(1, m + 1))
+        for j in range(m, 0, -1):
+            row[j - 1] = j * (row[j - 1] - row[j])
+        numbers.append(row[0])
+    return numbers
+
+
+def _tilted_mean_series_length(eps: float, z_max: float) -> tuple[int, int]:
+    """Number of Taylor terms for the value and the derivative of the series at |z| <= z_max.
+
+    The coefficients of f(z) - 1/2 = sum_{k>=1} c_k z^(2k-1) are c_k = B_2k / (2k)!
+    = (-1)^(k+1) 2 zeta(2k) / (2 pi)^(2k), so |c_k| <= 2 zeta(4) / (2 pi)^(2k) for k >= 2.
+    With rho = (z / 2 pi)^2 < 1 the remainders after K terms are bounded by geometric
+    series:
+
+        |R_K(z)|  <= 2 zeta(4) |z|^(2K+1) / (2 pi)^(2K+2) / (1 - rho)
+        |R'_K(z)| <= 2 zeta(4) |z|^(2K)   / (2 pi)^(2K+2) * ((2K+1)/(1-rho) + 2 rho/(1-rho)^2)
+
+    K is the smallest count with |R_K| <= eps/64 (value) and |R'_K| <= eps/128
+    (derivative). `tilted_mean` uses the series halved for the value and quartered for the
+    derivative, where the smallest value is f(-4) = 0.231 (ulp eps/8) and the smallest
+    derivative is f'(4) = 0.0435 (ulp eps/32): both budgets are 1/16 ulp.
+    """
+    zeta4 = math.pi**4 / 90.0
+    two_pi = 2.0 * math.pi
+    rho = (z_max / two_pi) ** 2
+
+    def value_bound(k: int) -> float:
+        return 2.0 * zeta4 * z_max ** (2 * k + 1) / two_pi ** (2 * k + 2) / (1.0 - rho)
+
+    def derivative_bound(k: int) -> float:
+        factor = (2 * k + 1) / (1.0 - rho) + 2.0 * rho / (1.0 - rho) ** 2
+        return 2.0 * zeta4 * z_max ** (2 * k) / two_pi ** (2 * k + 2) * factor
+
+    k_value = next(k for k in range(1, 200) if value_bound(k) <= _SERIES_VALUE_BUDGET * eps)
+    k_derivative = next(k for k in range(1, 200) if derivative_bound(k) <= _SERIES_DERIVATIVE_BUDGET * eps)
+    return k_value, k_derivative
+
+
+@functools.lru_cache(maxsize=None)
+def _tilted_mean_coefficients(dtype_name: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Horner coefficients (highest power first) of P and Q, for a float32/float64 dtype.
+
+    f(z) = 1/2 + z P(z^2) with P(w) = sum_k c_k w^(k-1), and f'(z) = Q(z^2) with
+    Q(w) = sum_k (2k-1) c_k w^(k-1), c_k = B_2k / (2k)!. Both are truncated after the
+    number of terms `_tilted_mean_series_length` derives from the dtype's eps.
+    """
+    eps = float(np.finfo(dtype_name).eps)
+    k_value, k_derivative = _tilted_mean_series_length(eps, _TILTED_MEAN_SWITCH / 2.0)
+    bernoulli = _bernoulli_numbers(2 * max(k_value, k_derivative) + 1)
+    c = [bernoulli[2 * k] / math.factorial(2 * k) for k in range(1, max(k_value, k_derivative) + 1)]
+    value = tuple(float(c[k]) for k in reversed(range(k_value)))
+    derivative = tuple(float((2 * k + 1) * c[k]) for k in reversed(range(k_derivative)))
+    return value, derivative
+
+
+def _horner(w: tf.Tensor, coefficients: tuple[float, ...]) -> tf.Tensor:
+    """The polynomial with `coefficients` (highest power first) at `w`, by Horner's rule."""
+    result = tf.fill(tf.shape(w), tf.constant(coefficients[0], w.dtype))
+    for coefficient in coefficients[1:]:
+        result = result * w + coefficient
+    return result
+
+
+def _tilted_mean_pieces(x: tf.Tensor):
+    """What the value and the derivative share: branch mask, series argument, exponentials.
+
+    Each branch only ever sees inputs of its own region (the double-where of
+    `double_where`), so the autodiff of the derivative, i.e. the second derivative, is
+    finite everywhere too.
+    """
+    dtype = x.dtype
+    switch = tf.constant(_TILTED_MEAN_SWITCH, dtype)
+    half = tf.constant(0.5, dtype)
+    zero = tf.zeros_like(x)
+    near = tf.abs(x) <= switch  # False for NaN: NaN takes the closed form and propagates.
+    c = tf.exp(-half * tf.abs(x))  # e^(-|x|/2) in [0, 1]: never overflows.
+    z = tf.where(near, half * x, zero)  # series argument, |z| <= switch / 2
+    x_far = tf.where(near, tf.fill(tf.shape(x), 2.0 * switch), x)
+    e_far = tf.square(tf.where(near, zero, c))  # e^(-|x|) in the closed-form region
+    # 1 wherever the closed form is used, as the numerator of 1/|x| and 1/x^2. A literal 1
+    # would let tf.function's constant folding turn 1/y into Reciprocal(y), which TF's
+    # CPU kernel computes approximately in float32 (1 ulp off even at powers of two,
+    # thousands of ulps where 1/y is near the smallest normal number).
+    one_far = tf.cast(tf.logical_not(near), dtype)
+    return near, c, z, x_far, e_far, one_far
+
+
+def _tilted_mean_value(x: tf.Tensor) -> tf.Tensor:
+    near, c, z, x_far, e_far, one_far = _tilted_mean_pieces(x)
+    p, _ = _tilted_mean_coefficients(x.dtype.name)
+    # |x| <= 4: f(x) = (sigmoid(x/2) + f(x/2)) / 2 with f(x/2) = 1/2 + z P(z^2) from the
+    # series. Summed as (sigmoid + z P) + 1/2: the order tf.function's arithmetic optimizer
+    # gives any chain of adds, so eager and graph results are the same bits.
+    sigmoid = tf.where(x >= 0, tf.ones_like(c), c) / (1.0 + c)
+    near_value = 0.5 * ((sigmoid + z * _horner(z * z, p)) + 0.5)
+    # |x| > 4: f(-t) = 1/t - 1/expm1(t) and f(t) = 1 - f(-t), with t = |x|, where
+    # 1/expm1(t) = e^(-t) / (1 - e^(-t)).
+    small = one_far / tf.abs(x_far) - e_far / (1.0 - e_far)
+    far_value = tf.where(x_far > 0, 1.0 - small, small)
+    return tf.where(near, near_value, far_value)
+
+
+def _tilted_mean_derivative(x: tf.Tensor) -> tf.Tensor:
+    near, c, z, x_far, e_far, one_far = _tilted_mean_pieces(x)
+    _, q = _tilted_mean_coefficients(x.dtype.name)
+    # |x| <= 4: f'(x) = (sigmoid'(x/2) + f'(x/2)) / 4, sigmoid'(x/2) = c / (1 + c)^2 and
+    # f'(x/2) = Q(z^2) = q_0 + z^2 Q_1(z^2), summed as (sigmoid' + z^2 Q_1) + q_0 (see above).
+    w = z * z
+    sigmoid_derivative = c / tf.square(1.0 + c)
+    near_derivative = 0.25 * ((sigmoid_derivative + w * _horner(w, q[:-1])) + q[-1])
+    # |x| > 4: f'(x) = 1/x^2 - e^(-|x|) / (1 - e^(-|x|))^2. At +-inf, x is replaced by
+    # +-max (same f' = 0) so that the second derivative is 0, not 0 * inf. (Not sharing
+    # 1/expm1 with the value keeps XLA from writing it to memory between the two.)
+    x_far = tf.where(tf.math.is_inf(x_far), tf.sign(x_far) * x.dtype.max, x_far)
+    far_derivative = one_far / (x_far * x_far) - e_far / tf.square(1.0 - e_far)
+    return tf.where(near, near_derivative, far_derivative)
+
+
+def _own_dtype(value) -> tf.DType | None:
+    """The dtype `value` already has (a tensor's, a NumPy array's or scalar's), else None.
+
+    Passed to `_as_float_tensor` so that a float64 NumPy array stays float64: with only
+    its float32 ``dtype_hint``, ``tf.convert_to_tensor`` casts float64 arrays to float32.
+    """
+    dtype = getattr(value, "dtype", None)
+    if dtype is None:
+        return None
+    try:
+        return tf.as_dtype(dtype)
+    except TypeError:
+        return None
+
+
+@tf.custom_gradient
+def _tilted_mean_float(x: tf.Tensor):
+    def grad(upstream: tf.Tensor) -> tf.Tensor:
+        # Built from TF ops on x, so an outer tape differentiates it: nested tapes work.
+        return upstream * _tilted_mean_derivative(x)
+
+    return _tilted_mean_value(x), grad
+
+
+def tilted_mean(x, name: str | None = None) -> tf.Tensor:
+    r"""Mean of the uniform distribution on [0, 1] tilted by e^(x u), with exact gradients.
+
+    ```none
+    tilted_mean(x) = 1 / (1 - exp(-x)) - 1/x,    tilted_mean(0) = 1/2
+                   = 1/2 + L(x/2) / 2            (L: the Langevin function coth(y) - 1/y)
+    ```
+
+    f increases from f(-inf) = 0 to f(inf) = 1, f(-x) = 1 - f(x), and its derivative
+    f'(x) = 1/x^2 - 1 / (4 sinh^2(x/2)) is even, with f'(0) = 1/12. It is the f of case B
+    in the book, where a loss used f(x) + f(x + 50).
+
+    **Why the naive form fails.** Near 0 both terms are about 1/x and their difference
+    is about 1/2, so about log2(1/|x|) bits cancel: in float32 the naive form returns
+    -1.3e4 at x = 1e-6, and at x = 0 it is inf - inf = NaN. Below x = -88.7 (float32)
+    exp(-x) overflows, and the gradient exp(-x) / (1 - exp(-x))^2 is inf / inf = NaN.
+    The Taylor series f = 1/2 + x/12 - x^3/720 + x^5/30240 - ... (coefficients
+    B_2k / (2k)!) converges only for |x| < 2 pi, and slowly near it.
+
+    **What is computed instead.** The halving identity
+
+    ```none
+    f(x) = (sigmoid(x/2) + f(x/2)) / 2,    f'(x) = (sigmoid'(x/2) + f'(x/2)) / 4
+    ```
+
+    (from 1/(1-a) + 1/(1+a) = 2/(1-a^2) with a = e^(-x/2)) adds terms that are all
+    positive, so it has no cancellation for either sign of x. For |x| <= 4, f(x/2) and
+    f'(x/2) come from the Taylor series at |x/2| <= 2, where it converges like
+    (2 / 2 pi)^2 ~ 0.1 per term. For |x| > 4, with t = |x|,
+
+    ```none
+    f(-t) = 1/t - 1/expm1(t),    f(t) = 1 - f(-t),    f'(x) = 1/x^2 - r (1 + r),  r = 1/expm1(t)
+    ```
+
+    where r = 1/expm1(t) is at most 7.5% of 1/t: cancellation amplifies the rounding
+    error of the value by at most 1/(1 - t r) <= 1.08, and that of the derivative by
+    1/(1 - t^2 r (1 + r)) <= 1.44 (at t = 4, falling to 1.1 at t = 6). These factors do
+    not depend on the precision, hence a fixed switch at |x| = T = 4: a lower one shortens
+    the series but amplifies the derivative's error more (1.98 at T = 3), a higher one
+    needs many more terms (the series at |x/2| <= T/2 converges like (T / 4 pi)^2 per
+    term). Every branch uses e^(-|x|/2) (or its square), which cannot overflow, so there
+    is no overflow threshold either.
+
+    **Thresholds from the dtype.** The number of series terms is the smallest whose
+    truncation error (bounded from |B_2k| / (2k)! <= 2 zeta(4) / (2 pi)^2k) stays under
+    1/16 ulp of the smallest value (f(-4) = 0.231) and derivative (f'(4) = 0.0435) taken
+    from the series, with the ulp from `np.finfo(dtype).eps`: 8 terms for the value and
+    10 for the derivative in float32, 17 and 19 in float64.
+
+    **Gradient.** A `tf.custom_gradient` returns upstream * f'(x) with f' evaluated as
+    above (autodiff through the series and the halving would add rounding of its own).
+    The derivative is built from TF ops whose branches only see their own region, so
+    nested `tf.GradientTape`s give a finite second derivative everywhere.
+
+    **Accuracy**, measured against mpmath on 10^4 log-spaced points of both signs over
+    the normal range plus dense grids on [-16, 16] (and on 3e6 random float32 points
+    against the float64 result): value within 1.7 ulp and derivative within 3.2 ulp in
+    float32 and float64 (the tests assert 2 and 4), eagerly, under `tf.function`
+    (bit-identical to eager) and under XLA (which may differ from eager by an ulp).
+    Results below the smallest normal number (f(x) for x < -1/tiny, f'(x) for
+    |x| > 1/sqrt(tiny)) are flushed to 0 by TensorFlow's CPU kernels. float16 and
+    bfloat16 results are the float32 ones rounded once more.
+
+    Args:
+        x: floating-point tensor (float16, bfloat16, float32 or float64). float16 and
+            bfloat16 are computed in float32 and the result cast back.
+        name: name scope of the ops; defaults to "tilted_mean".
+
+    Returns:
+        A tensor of the shape and dtype of `x`: f(x) in [0, 1], 1 at +inf, 0 at -inf,
+        NaN at NaN.
+
+    Raises:
+        TypeError: if `x` is not a floating-point tensor.
+
+    Example:
+        >>> x = tf.constant([-1000.0, -50.0, 0.0, 50.0])
+        >>> with tf.GradientTape() as tape:
+        ...     tape.watch(x)
+        ...     y = tilted_mean(x)
+        >>> y.numpy().round(6)
+        array([0.001, 0.02 , 0.5  , 0.98 ], dtype=float32)
+        >>> (tape.gradient(y, x).numpy() * 12).round(6)  # f'(0) = 1/12
+        array([1.2e-05, 4.8e-03, 1.0e+00, 4.8e-03], dtype=float32)
+    """
+    with tf.name_scope(name or "tilted_mean"):
+        x = _as_float_tensor(x, "x", _own_dtype(x))
+        if x.dtype in (tf.float16, tf.bfloat16):
+            return tf.cast(_tilted_mean_float(tf.cast(x, tf.float32)), x.dtype)
+        return _tilted_mean_float(x)

@@ -88,3 +88,10 @@ def test_double_where_rejects_bad_input_with_clear_message(kwargs, error, messag
     args.update(kwargs)
     with pytest.raises(error, match=message):
         double_where(args["condition"], args["fn"], args["x"])
+
+
+def test_double_where_keeps_float64_numpy_input_in_float64():
+    x = np.array([1e300, 0.0])  # 1e300 overflows float32
+    out = double_where(x > 0, tf.math.log, x, 0.0)
+    assert out.dtype == tf.float64
+    np.testing.assert_allclose(out.numpy(), [np.log(1e300), 0.0], rtol=1e-15)
