@@ -21,7 +21,7 @@ from typing import Any
 
 from companion._version import __version__
 
-_SUBMODULES = ("attention", "diagnostics", "models", "notebook", "numerics", "reproductions", "targets", "training")
+_SUBMODULES = ("accuracy", "attention", "diagnostics", "models", "notebook", "numerics", "reproductions", "targets", "training")
 
 __all__ = ["__version__", *_SUBMODULES]
 

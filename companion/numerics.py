@@ -200,11 +200,11 @@ def _power(x, p, *, signed: bool, name: str) -> tf.Tensor:
 def safe_pow(x, p, name: str | None = None) -> tf.Tensor:
     r"""``x**p`` for ``x > 0`` and ``0`` for ``x <= 0``, with finite gradients everywhere.
 
-    ```none
-    safe_pow(x, p) = x^p    for x > 0,         0 for x <= 0          (p > 0)
-    d/dx           = p x^(p-1) for x > 0,      0 for x <= 0
-    d/dp           = x^p log(x) for x > 0,     0 for x <= 0
-    ```
+    .. code-block:: none
+
+        safe_pow(x, p) = x^p    for x > 0,         0 for x <= 0          (p > 0)
+        d/dx           = p x^(p-1) for x > 0,      0 for x <= 0
+        d/dp           = x^p log(x) for x > 0,     0 for x <= 0
 
     **Why the naive form fails.** `tf.pow(x, p)` has the right value at 0, but its
     gradient with respect to the base, ``p * 0^(p-1)``, is ``+inf`` for ``0 < p < 1``.
@@ -239,7 +239,8 @@ def safe_pow(x, p, name: str | None = None) -> tf.Tensor:
       hidden, only the single point where it is infinite.
 
     **Thresholds from the dtype.** "``x > 0``" is ``x >= finfo.tiny``, the smallest
-    normal number: TensorFlow's CPU kernels flush subnormal numbers to zero, and this
+    normal number of the dtype the power is computed in (float32 for float16 and
+    bfloat16 inputs): TensorFlow's CPU kernels flush subnormal numbers to zero, and this
     makes a subnormal ``x`` count as 0 on every device. Both derivatives are clamped to
     ``[-finfo.max, finfo.max]``. For ``0 < p <= 1`` and normal ``x`` the derivative
     never reaches the bound (it is at most ``1/tiny``); it is reached for ``p > 1`` and
@@ -288,11 +289,11 @@ def safe_pow(x, p, name: str | None = None) -> tf.Tensor:
 def signed_pow(x, p, name: str | None = None) -> tf.Tensor:
     r"""``sign(x) * |x|**p``, the odd extension of the power, with finite gradients.
 
-    ```none
-    signed_pow(x, p) = sign(x) |x|^p,          signed_pow(0, p) = 0       (p > 0)
-    d/dx             = p |x|^(p-1)  for x != 0
-    d/dp             = sign(x) |x|^p log|x| for x != 0,   0 at x = 0
-    ```
+    .. code-block:: none
+
+        signed_pow(x, p) = sign(x) |x|^p,          signed_pow(0, p) = 0       (p > 0)
+        d/dx             = p |x|^(p-1)  for x != 0
+        d/dp             = sign(x) |x|^p log|x| for x != 0,   0 at x = 0
 
     For inputs that can be negative: a learned power of a signed quantity, or a target
     like ``sign(x) |x|^b`` on [-1, 1]. It is odd and increasing in ``x`` for ``p > 0``,
@@ -344,9 +345,9 @@ def signed_pow(x, p, name: str | None = None) -> tf.Tensor:
 def log_exp_pow(x, p, eps: float = 1e-6, name: str | None = None) -> tf.Tensor:
     r"""The power that case A's answer proposes, exactly as written: ``exp(p * log(max(x, eps)))``.
 
-    ```none
-    log_exp_pow(x, p) = exp(p log(max(x, eps)))  =  x^p for x >= eps,   eps^p for x < eps
-    ```
+    .. code-block:: none
+
+        log_exp_pow(x, p) = exp(p log(max(x, eps)))  =  x^p for x >= eps,   eps^p for x < eps
 
     Kept so that the book can measure what it costs; use `safe_pow` or `signed_pow`
     instead. Its gradients are finite at 0 (``max`` sends the gradient to ``eps``, so
@@ -390,7 +391,7 @@ def log_exp_pow(x, p, eps: float = 1e-6, name: str | None = None) -> tf.Tensor:
     with tf.name_scope(name or "log_exp_pow"):
         x = _as_float_tensor(x, "x")
         p = _as_float_tensor(p, "p", dtype=x.dtype)
-        return tf.exp(p * tf.math.log(tf.maximum(x, tf.cast(eps, x.dtype))))
+        return tf.exp(p * tf.math.log(tf.maximum(x, tf.constant(eps, x.dtype))))
 
 
 def _check_interval(low, high) -> tuple[float, float]:
@@ -407,10 +408,10 @@ def _check_interval(low, high) -> tuple[float, float]:
 def bounded(raw, low: float, high: float, name: str | None = None) -> tf.Tensor:
     r"""Map an unconstrained value into the interval (low, high) with a sigmoid.
 
-    ```none
-    bounded(raw, low, high) = low + (high - low) * sigmoid(raw)
-    d/draw                  = (high - low) * sigmoid(raw) * (1 - sigmoid(raw))
-    ```
+    .. code-block:: none
+
+        bounded(raw, low, high) = low + (high - low) * sigmoid(raw)
+        d/draw                  = (high - low) * sigmoid(raw) * (1 - sigmoid(raw))
 
     Used for the exponents ``b`` and ``c`` of case A, which a network predicts as
     unconstrained numbers: the answer proposes ``b = 0.1 + 1.9 * sigmoid(b_raw)``, i.e.
@@ -447,8 +448,9 @@ def bounded(raw, low: float, high: float, name: str | None = None) -> tf.Tensor:
     low, high = _check_interval(low, high)
     with tf.name_scope(name or "bounded"):
         raw = _as_float_tensor(raw, "raw")
-        low_t, high_t = tf.cast(low, raw.dtype), tf.cast(high, raw.dtype)
-        value = low_t + tf.cast(high - low, raw.dtype) * tf.sigmoid(raw)
+        # tf.constant, not tf.cast: a cast would round the Python float to float32 first.
+        low_t, high_t = tf.constant(low, raw.dtype), tf.constant(high, raw.dtype)
+        value = low_t + tf.constant(high - low, raw.dtype) * tf.sigmoid(raw)
         # The rounding of the product and the sum can step one ulp past a bound.
         return tf.minimum(tf.maximum(value, low_t), high_t)
 
@@ -456,9 +458,9 @@ def bounded(raw, low: float, high: float, name: str | None = None) -> tf.Tensor:
 def bounded_inverse(value, low: float, high: float, name: str | None = None) -> tf.Tensor:
     r"""The ``raw`` for which `bounded` returns ``value``: the inverse of ``low + (high - low) sigmoid(raw)``.
 
-    ```none
-    bounded_inverse(v, low, high) = logit((v - low) / (high - low)) = log(v - low) - log(high - v)
-    ```
+    .. code-block:: none
+
+        bounded_inverse(v, low, high) = logit((v - low) / (high - low)) = log(v - low) - log(high - v)
 
     Use it to make a bounded parameter start at a chosen value, e.g. an exponent at
     ``b = 1``: initialise ``b_raw`` to ``bounded_inverse(1.0, 0.1, 2.0)`` (= -0.1054).

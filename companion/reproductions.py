@@ -11,6 +11,7 @@ The only changes to the seeds' code are the ones needed to make it importable: a
 a docstring, and ``tf.convert_to_tensor`` on the input (the seeds passed tensors).
 
 Sections:
+    Case A (seed ``000``): ParameterNet, its attention, its training step, its checks.
     Case B (seed ``003``): f(x) = 1/(1 - e^-x) - 1/x in a custom loss.
 """
 
@@ -18,7 +19,145 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-__all__ = ["naive_tilted_mean", "seed_blended_f", "seed_taylor"]
+__all__ = [
+    "naive_tilted_mean",
+    "seed_blended_f",
+    "seed_bounded_exponent",
+    "seed_checked_power",
+    "seed_scaled_dot_product_attention",
+    "seed_taylor",
+    "seed_train_step",
+]
+
+
+# --- Case A: ParameterNet (seed 000) ---------------------------------------------------
+#
+# The question shows no code for its model (companion.models.ParameterNet(fixes=()) is
+# that model); these are the answer's code pieces.
+
+
+def seed_scaled_dot_product_attention(q, k, v) -> tf.Tensor:
+    """The answer's "scaled dot-product attention", verbatim.
+
+    Its value is right for float32 inputs without a mask, but:
+
+    - ``d_k = tf.cast(q.shape[-1], tf.float32)`` fixes the scores' dtype to float32, so
+      float16 or bfloat16 inputs (mixed precision) fail with a dtype error in the
+      division, and float64 ones too;
+    - it takes no mask, so padded points cannot be excluded (adding ``-1e9`` to the scores,
+      the usual patch, is ``-inf`` in float16 and gives NaN for a fully masked row);
+    - scaling does not address case A's NaN, which comes from the power at 0, not from
+      the softmax: the softmax is finite for any finite scores, scaled or not.
+
+    The fix is :func:`companion.attention.scaled_dot_product_attention`.
+    """
+    q, k, v = (tf.convert_to_tensor(t) for t in (q, k, v))
+    # --- from here on, the seed's code as written ---
+    d_k = tf.cast(q.shape[-1], tf.float32)
+    scores = tf.matmul(q, k, transpose_b=True) / tf.sqrt(d_k)
+    attn_weights = tf.nn.softmax(scores, axis=-1)
+    output = tf.matmul(attn_weights, v)
+    return output
+
+
+def seed_train_step(model, optimizer):
+    """The answer's ``train_step``, verbatim, for a given ``model`` and ``optimizer``.
+
+    The answer's function uses the globals ``model`` and ``optimizer`` (with
+    ``optimizer = tf.keras.optimizers.Adam(learning_rate=1e-4)``); here they are
+    arguments, and the ``tf.function`` it returns is the answer's::
+
+        @tf.function
+        def train_step(x, y):
+            with tf.GradientTape() as tape:
+                pred = model(x)
+                loss = tf.keras.losses.MSE(y, pred)
+            grads = tape.gradient(loss, model.trainable_variables)
+            grads, _ = tf.clip_by_global_norm(grads, clip_norm=1.0)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+    How it fails:
+
+    - ``tf.clip_by_global_norm`` computes one norm over all gradients: one NaN entry
+      makes the norm NaN and *every* clipped gradient NaN, so the step writes NaN into
+      every weight, where plain Adam would have spoilt only the variables whose gradient
+      was NaN;
+    - nothing checks the gradients: the step is applied whatever they are, and the loss
+      it returns is the one computed *before* the update, so it is still finite at the
+      step that destroys the weights;
+    - ``tf.keras.losses.MSE`` averages over the last axis only, so ``loss`` is a tensor
+      (one value per point for ParameterNet's ``(batch, n, 1)`` outputs) and the
+      gradient is that of its *sum*: the learning rate is implicitly scaled by
+      ``batch * n``.
+
+    The fix is :func:`companion.training.train`, which checks every gradient inside
+    the compiled step and skips a non-finite step.
+
+    Args:
+        model: a Keras model, called as ``model(x)``.
+        optimizer: a Keras optimizer.
+
+    Returns:
+        The answer's ``train_step(x, y)``, a ``tf.function`` returning the loss tensor.
+    """
+
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            pred = model(x)
+            loss = tf.keras.losses.MSE(y, pred)
+        grads = tape.gradient(loss, model.trainable_variables)
+        # global gradient clipping: limit the norm of the gradients
+        grads, _ = tf.clip_by_global_norm(grads, clip_norm=1.0)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    return train_step
+
+
+def seed_checked_power(x, a, b) -> tf.Tensor:
+    """The answer's ``forward_pass`` with ``tf.debugging.check_numerics``, for ``(a x)^b``.
+
+    The answer's function stops after the power (``# then check the remaining
+    transforms...``) and returns an undefined ``pred``; this is its part that runs::
+
+        x = a * x
+        tf.debugging.check_numerics(x, "After a*x transform")
+        x = tf.pow(x, b)
+        tf.debugging.check_numerics(x, "After x^b transform")
+
+    How it fails: ``check_numerics`` checks *forward* values, and case A's forward values
+    are finite. At ``x = 0`` with ``b < 1`` both checks pass while the gradient with
+    respect to ``a`` is NaN (``0 * inf`` in the backward pass of ``tf.pow``), so the
+    check never fires. (It also raises rather than letting training skip a step.)
+
+    The fix is :func:`companion.numerics.safe_pow`; to locate a NaN in the backward pass,
+    :mod:`companion.diagnostics`.
+    """
+    x = tf.convert_to_tensor(x)
+    # --- from here on, the seed's code as written (comments translated) ---
+    x = a * x
+    tf.debugging.check_numerics(x, "After a*x transform")
+    x = tf.pow(x, b)
+    tf.debugging.check_numerics(x, "After x^b transform")
+    return x
+
+
+def seed_bounded_exponent(b_raw) -> tf.Tensor:
+    """The answer's bounded exponent, verbatim: ``0.1 + 1.9 * tf.sigmoid(b_raw)``.
+
+    How it fails: it bounds the exponent to [0.1, 2.0], which keeps it finite but
+    contains every exponent below 1, where ``tf.pow(0, b)`` has an infinite base-side
+    derivative. It starts at ``b = 1.05`` for ``b_raw = 0``, not at 1 as the answer's
+    section 4 advises; ``bounded_inverse`` gives the ``b_raw`` for a chosen start.
+
+    The fix is :func:`companion.numerics.bounded` with
+    :func:`companion.numerics.bounded_inverse`, together with
+    :func:`companion.numerics.safe_pow`.
+    """
+    b_raw = tf.convert_to_tensor(b_raw)
+    return 0.1 + 1.9 * tf.sigmoid(b_raw)
 
 
 # --- Case B: f(x) = 1/(1 - e^-x) - 1/x (seed 003) --------------------------------------
