@@ -227,7 +227,7 @@ class ParameterNet(keras.Model):
 
     @property
     def power_name(self) -> str:
-        """The power function the basis uses: ``"tf.pow"``, ``"safe_pow"``, ``"signed_pow"`` or ``"log_exp_pow"``."""
+        """Name of the power function the basis uses (``"tf.pow"``, ``"safe_pow"``, ``"signed_pow"`` or ``"log_exp_pow"``)."""
         if "signed_power" in self.fixes:
             return "signed_pow"
         if "safe_power" in self.fixes:

@@ -684,64 +684,67 @@ def _tilted_mean_float(x: tf.Tensor):
 def tilted_mean(x, name: str | None = None) -> tf.Tensor:
     r"""Mean of the uniform distribution on [0, 1] tilted by e^(x u), with exact gradients.
 
-    ```none
-    tilted_mean(x) = 1 / (1 - exp(-x)) - 1/x,    tilted_mean(0) = 1/2
-                   = 1/2 + L(x/2) / 2            (L: the Langevin function coth(y) - 1/y)
-    ```
+    .. code-block:: none
+
+        tilted_mean(x) = 1 / (1 - exp(-x)) - 1/x,    tilted_mean(0) = 1/2
+                       = 1/2 + L(x/2) / 2            (L: the Langevin function coth(y) - 1/y)
 
     f increases from f(-inf) = 0 to f(inf) = 1, f(-x) = 1 - f(x), and its derivative
     f'(x) = 1/x^2 - 1 / (4 sinh^2(x/2)) is even, with f'(0) = 1/12. It is the f of case B
     in the book, where a loss used f(x) + f(x + 50).
 
     **Why the naive form fails.** Near 0 both terms are about 1/x and their difference
-    is about 1/2, so about log2(1/|x|) bits cancel: in float32 the naive form returns
+    is about 1/2: the rounding errors of exp and of the two reciprocals, relative to
+    terms of size 1/x, are left standing against a result of 1/2, and measured the error
+    grows like eps/x^2. In float32 the naive form returns
     -1.3e4 at x = 1e-6, and at x = 0 it is inf - inf = NaN. Below x = -88.7 (float32)
     exp(-x) overflows, and the gradient exp(-x) / (1 - exp(-x))^2 is inf / inf = NaN.
     The Taylor series f = 1/2 + x/12 - x^3/720 + x^5/30240 - ... (coefficients
-    B_2k / (2k)!) converges only for |x| < 2 pi, and slowly near it.
+    B_2k / (2k)!) converges only for abs(x) < 2 pi, and slowly near it.
 
     **What is computed instead.** The halving identity
 
-    ```none
-    f(x) = (sigmoid(x/2) + f(x/2)) / 2,    f'(x) = (sigmoid'(x/2) + f'(x/2)) / 4
-    ```
+    .. code-block:: none
+
+        f(x) = (sigmoid(x/2) + f(x/2)) / 2,    f'(x) = (sigmoid'(x/2) + f'(x/2)) / 4
 
     (from 1/(1-a) + 1/(1+a) = 2/(1-a^2) with a = e^(-x/2)) adds terms that are all
-    positive, so it has no cancellation for either sign of x. For |x| <= 4, f(x/2) and
-    f'(x/2) come from the Taylor series at |x/2| <= 2, where it converges like
-    (2 / 2 pi)^2 ~ 0.1 per term. For |x| > 4, with t = |x|,
+    positive, so it has no cancellation for either sign of x. For abs(x) <= 4, f(x/2) and
+    f'(x/2) come from the Taylor series at abs(x/2) <= 2, where it converges like
+    (2 / 2 pi)^2 ~ 0.1 per term. For abs(x) > 4, with t = abs(x),
 
-    ```none
-    f(-t) = 1/t - 1/expm1(t),    f(t) = 1 - f(-t),    f'(x) = 1/x^2 - r (1 + r),  r = 1/expm1(t)
-    ```
+    .. code-block:: none
+
+        f(-t) = 1/t - 1/expm1(t),    f(t) = 1 - f(-t),    f'(x) = 1/x^2 - r (1 + r),  r = 1/expm1(t)
 
     where r = 1/expm1(t) is at most 7.5% of 1/t: cancellation amplifies the rounding
     error of the value by at most 1/(1 - t r) <= 1.08, and that of the derivative by
     1/(1 - t^2 r (1 + r)) <= 1.44 (at t = 4, falling to 1.1 at t = 6). These factors do
-    not depend on the precision, hence a fixed switch at |x| = T = 4: a lower one shortens
+    not depend on the precision, hence a fixed switch at abs(x) = T = 4: a lower one shortens
     the series but amplifies the derivative's error more (1.98 at T = 3), a higher one
-    needs many more terms (the series at |x/2| <= T/2 converges like (T / 4 pi)^2 per
-    term). Every branch uses e^(-|x|/2) (or its square), which cannot overflow, so there
+    needs many more terms (the series at abs(x/2) <= T/2 converges like (T / 4 pi)^2 per
+    term). Every branch uses e^(-abs(x)/2) (or its square), which cannot overflow, so there
     is no overflow threshold either.
 
     **Thresholds from the dtype.** The number of series terms is the smallest whose
-    truncation error (bounded from |B_2k| / (2k)! <= 2 zeta(4) / (2 pi)^2k) stays under
+    truncation error (bounded from abs(B_2k) / (2k)! <= 2 zeta(4) / (2 pi)^2k) stays under
     1/16 ulp of the smallest value (f(-4) = 0.231) and derivative (f'(4) = 0.0435) taken
-    from the series, with the ulp from `np.finfo(dtype).eps`: 8 terms for the value and
+    from the series, with the ulp from ``np.finfo(dtype).eps``: 8 terms for the value and
     10 for the derivative in float32, 17 and 19 in float64.
 
-    **Gradient.** A `tf.custom_gradient` returns upstream * f'(x) with f' evaluated as
-    above (autodiff through the series and the halving would add rounding of its own).
+    **Gradient.** A ``tf.custom_gradient`` returns upstream * f'(x) with f' evaluated as
+    above: autodiff of the value would differentiate through abs(x), which gives
+    f'(0) = 1/48 instead of 1/12, and the derivative needs its own number of series terms.
     The derivative is built from TF ops whose branches only see their own region, so
-    nested `tf.GradientTape`s give a finite second derivative everywhere.
+    nested gradient tapes give a finite second derivative everywhere.
 
     **Accuracy**, measured against mpmath on 10^4 log-spaced points of both signs over
     the normal range plus dense grids on [-16, 16] (and on 3e6 random float32 points
     against the float64 result): value within 1.7 ulp and derivative within 3.2 ulp in
-    float32 and float64 (the tests assert 2 and 4), eagerly, under `tf.function`
+    float32 and float64 (the tests assert 2 and 4), eagerly, under ``tf.function``
     (bit-identical to eager) and under XLA (which may differ from eager by an ulp).
     Results below the smallest normal number (f(x) for x < -1/tiny, f'(x) for
-    |x| > 1/sqrt(tiny)) are flushed to 0 by TensorFlow's CPU kernels. float16 and
+    abs(x) > 1/sqrt(tiny)) are flushed to 0 by TensorFlow's CPU kernels. float16 and
     bfloat16 results are the float32 ones rounded once more.
 
     Args:
@@ -750,11 +753,11 @@ def tilted_mean(x, name: str | None = None) -> tf.Tensor:
         name: name scope of the ops; defaults to "tilted_mean".
 
     Returns:
-        A tensor of the shape and dtype of `x`: f(x) in [0, 1], 1 at +inf, 0 at -inf,
+        A tensor of the shape and dtype of ``x``: f(x) in [0, 1], 1 at +inf, 0 at -inf,
         NaN at NaN.
 
     Raises:
-        TypeError: if `x` is not a floating-point tensor.
+        TypeError: if ``x`` is not a floating-point tensor.
 
     Example:
         >>> x = tf.constant([-1000.0, -50.0, 0.0, 50.0])
