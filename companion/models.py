@@ -88,8 +88,8 @@ class ParameterNet(keras.Model):
     derivative at 0 once its exponent drops below 1) is the book's subject. One
     consequence worth knowing: the gradients with respect to ``b`` and ``c`` are equal
     whenever ``b = c``, and both start at 1 through identical transforms, so with the
-    default ranges ``b`` and ``c`` stay equal (to rounding) all through training and
-    the effective exponent is ``b^2``. Different ``b_range`` and ``c_range`` break the
+    default ranges ``b`` and ``c`` stay close (equal to within a relative 1e-6, not
+    bit-identical) all through training and the effective exponent is about ``b^2``. Different ``b_range`` and ``c_range`` break the
     tie.
 
     **Architecture.** Each point ``(x_i, y_i)`` is embedded by a dense layer to

@@ -229,7 +229,8 @@ def safe_pow(x, p, name: str | None = None) -> tf.Tensor:
 
     - a gradient of about 3.4e38 (float32) is not usable: multiplied by any weight
       larger than 1 it overflows to inf, and Adam squares it into its second moment,
-      which becomes inf and freezes that weight for good: the NaN only moves one op on;
+      which becomes inf: the step leaves the weight unchanged and the next one makes it
+      NaN (``inf - inf`` in the moment update), so the NaN only moves one op on;
     - in the chain ``x -> a x -> (a x)^p`` the gradient with respect to ``a`` at
       ``x = 0`` is ``x * f'(0) = 0`` for any finite ``f'(0)``, and 0 is also its true
       limit, ``lim x * p (a x)^(p-1) = p a^(p-1) x^p -> 0``. The convention only shows
@@ -361,7 +362,7 @@ def log_exp_pow(x, p, eps: float = 1e-6, name: str | None = None) -> tf.Tensor:
     - **the relative error grows with ``|p log x|``**: the rounding error of
       ``p * log(x)`` (about ``|p log x|`` ulps of 1) is turned by ``exp`` into a
       relative error of about ``|p log x| * eps_machine``, e.g. ~1e-5 in float32 for
-      ``x = 1e30, p = 2``, where `tf.pow` is within an ulp or two.
+      ``x = 1e38, p = 1`` (``|p log x| = 87.5``), where `tf.pow` is within an ulp or two.
     - ``eps = 1e-6`` is a float32 choice: it is subnormal in float16 (smallest normal
       6.1e-5), where TensorFlow may flush it to 0 and ``log`` returns ``-inf``.
 
@@ -423,8 +424,11 @@ def bounded(raw, low: float, high: float, name: str | None = None) -> tf.Tensor:
     ``tf.pow(0, b)`` with its infinite base-side derivative; that needs `safe_pow`.
     Near the bounds the sigmoid saturates and the gradient vanishes (it is below
     ``(high - low) * 4.5e-5`` for ``|raw| > 10``), and in floating point the result
-    reaches ``low`` or ``high`` exactly once ``sigmoid(raw)`` rounds to 0 or 1
-    (``|raw| > 17`` in float32), so the interval is closed in practice; the result is
+    reaches ``high`` exactly once ``sigmoid(raw)`` rounds to 1 (``raw > 16.6`` in
+    float32, where the gradient is exactly 0) and ``low`` once ``(high - low) *
+    sigmoid(raw)`` is below half an ulp of ``low`` (``raw < -20`` for [0.1, 2], although
+    the gradient stays nonzero down to ``raw = -87``), so the interval is closed in
+    practice; the result is
     clipped to ``[low, high]`` (rounded to the dtype) so that rounding never steps past
     a bound.
 
