@@ -1,0 +1,172 @@
+"""What does the guarded training loop cost?
+
+Prints, from alternating runs in one process (medians of several repeats):
+
+1. ``companion.training.train`` against ``model.fit(jit_compile=True)`` with
+   ``keras.callbacks.TerminateOnNaN``, on the same model, data and number of epochs:
+   a small MLP (where per-step overhead dominates; target ratio <= 0.5) and a
+   compute-bound MLP (where the matrix products dominate; target <= 1.05);
+2. ``train`` with its finiteness guard on against the same loop with the guard off
+   (``companion.training._train(..., guard=False)``, an internal switch that exists for
+   this measurement); target <= 1.03.
+
+Each configuration is compiled once before timing (``train`` keeps its compiled step
+per model, as ``fit`` keeps its ``train_function``), so the numbers are steady-state
+training time. The runs cycle through all orders, and each ratio is the median of the
+ratios of runs made in the same round: the speed of a small shared VM drifts (and
+sometimes halves for seconds), which medians of raw times alone do not cancel. Two
+more estimates are printed next to it: the ratio of the fastest runs (a slowdown from
+outside never makes a run faster) and the ratio of process CPU time (a core lost to
+another tenant does not add CPU time). Run with::
+
+    python benchmarks/training_overhead.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from companion.training import _train  # noqa: E402
+
+
+def make_data(n: int, features: int, batch: int) -> tf.data.Dataset:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, features)).astype("float32")
+    w = rng.normal(size=(features, 1)).astype("float32") / np.sqrt(features)
+    y = np.tanh(x @ w)
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).cache()
+
+
+def make_model(features: int, width: int, depth: int, seed: int = 0) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    layers = [keras.Input((features,))]
+    layers += [keras.layers.Dense(width, activation="relu") for _ in range(depth)]
+    layers.append(keras.layers.Dense(1))
+    return keras.Sequential(layers)
+
+
+def timed(fn) -> tuple[float, float]:
+    """Wall-clock seconds and process CPU seconds (all threads) of ``fn()``."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+PAIRS = {"train/fit": ("train", "fit"), "guard on/off": ("train", "train_unguarded")}
+
+
+def compare(name: str, data, features: int, width: int, depth: int, epochs: int, repeats: int) -> dict[str, dict]:
+    """Times fit / train / unguarded train in rounds; returns the ratios of PAIRS."""
+    loss = keras.losses.MeanSquaredError()
+    fit_model = make_model(features, width, depth)
+    fit_model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss, jit_compile=True)
+    if not fit_model.jit_compile:
+        print("  note: Keras turned jit_compile off for model.fit", file=sys.stderr)
+    guarded_model, guarded_opt = make_model(features, width, depth), keras.optimizers.Adam(1e-3)
+    open_model, open_opt = make_model(features, width, depth), keras.optimizers.Adam(1e-3)
+
+    runs = {
+        "fit": lambda: fit_model.fit(
+            data, epochs=epochs, verbose=0, shuffle=False, callbacks=[keras.callbacks.TerminateOnNaN()]
+        ),
+        "train": lambda: _train(guarded_model, data, loss=loss, optimizer=guarded_opt, epochs=epochs, verbose=0),
+        "train_unguarded": lambda: _train(
+            open_model, data, loss=loss, optimizer=open_opt, epochs=epochs, verbose=0, guard=False
+        ),
+    }
+    for run in runs.values():  # compile, and let train() settle its steps per host call
+        run()
+        run()
+    wall: dict[str, list[float]] = {key: [] for key in runs}
+    cpu: dict[str, list[float]] = {key: [] for key in runs}
+    # Cycle through all orders, so that each run follows each other run equally often.
+    orders = list(itertools.permutations(runs))
+    for repeat in range(repeats):
+        for key in orders[repeat % len(orders)]:
+            time.sleep(0.02)
+            seconds, cpu_seconds = timed(runs[key])
+            wall[key].append(seconds)
+            cpu[key].append(cpu_seconds)
+
+    steps = int(data.cardinality()) * epochs
+    print(f"\n{name}: {steps} steps per run ({epochs} epoch), {repeats} rounds")
+    print(f"  {'run':<16} {'median wall':>12} {'ms/step':>8} {'fastest':>8} {'median CPU':>11}")
+    for key in runs:
+        median = statistics.median(wall[key])
+        print(
+            f"  {key:<16} {median:11.3f}s {1e3 * median / steps:8.3f} {min(wall[key]):7.3f}s"
+            f" {statistics.median(cpu[key]):10.3f}s"
+        )
+    results = {}
+    for label, (top, bottom) in PAIRS.items():
+        # Ratios of runs of the same round cancel slow drifts of the machine's speed.
+        ratios = [a / b for a, b in zip(wall[top], wall[bottom])]
+        q1, _, q3 = statistics.quantiles(ratios, n=4)
+        results[label] = {
+            "wall": statistics.median(ratios),
+            "quartiles": (q1, q3),
+            "fastest": min(wall[top]) / min(wall[bottom]),
+            "cpu": statistics.median(a / b for a, b in zip(cpu[top], cpu[bottom])),
+        }
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke test, noisier)")
+    args = parser.parse_args()
+    # Many short runs: this 2-core VM's speed drifts by +-20 % from second to second.
+    repeats_small, repeats_big = (6, 6) if args.quick else (42, 24)
+
+    print(f"TensorFlow {tf.__version__}, Keras {keras.__version__}, {os.cpu_count()} CPU cores, no GPU")
+    small = compare(
+        "small MLP (32 -> 64 -> 64 -> 1, batch 64)",
+        make_data(8192, 32, 64),
+        features=32,
+        width=64,
+        depth=2,
+        epochs=1,
+        repeats=repeats_small,
+    )
+    big = compare(
+        "compute-bound MLP (1024 -> 1024 -> 1024 -> 1, batch 256)",
+        make_data(256 * 8, 1024, 256),
+        features=1024,
+        width=1024,
+        depth=2,
+        epochs=1,
+        repeats=repeats_big,
+    )
+
+    print(
+        "\nRatios, lower is better. 'wall' (the verdict) is the median of the wall-clock ratios of runs in\n"
+        "the same round; 'fastest' compares the fastest runs; 'CPU' is the median ratio of process CPU time,\n"
+        "which a core lost to other tenants does not inflate."
+    )
+    rows = [
+        ("small MLP: train / fit+TerminateOnNaN", small["train/fit"], 0.5),
+        ("compute-bound: train / fit+TerminateOnNaN", big["train/fit"], 1.05),
+        ("small MLP: train guard on / guard off", small["guard on/off"], 1.03),
+        ("compute-bound: train guard on / guard off", big["guard on/off"], 1.03),
+    ]
+    for label, result, target in rows:
+        verdict = "ok" if result["wall"] <= target else "MISSED"
+        q1, q3 = result["quartiles"]
+        print(
+            f"  {label:<43} wall {result['wall']:5.3f}x (target <= {target:.2f}x: {verdict:<6})"
+            f"  quartiles {q1:.2f}..{q3:.2f}  fastest {result['fastest']:5.3f}x  CPU {result['cpu']:5.3f}x"
+        )
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,441 @@
+"""Tests of companion.training: the guarded loop `train` and the `SkipNonFinite` optimizer wrapper.
+
+Bit-identical comparisons use two models built from the same seed: XLA on CPU is
+deterministic, so "skipped steps change nothing" can be checked exactly by comparing a
+run with poisoned batches against a run on the good batches alone.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from companion import training
+from companion.training import NonFiniteError, SkipNonFinite, SkippedStep, TrainingHistory, train
+
+FEATURES = 3
+BATCH = 8
+N_BATCHES = 8
+_RNG = np.random.default_rng(0)
+X = _RNG.normal(size=(BATCH * N_BATCHES, FEATURES)).astype("float32")
+Y = X @ np.array([[1.0], [2.0], [-1.0]], "float32")
+
+
+def make_dataset(poisoned=(), n_batches=N_BATCHES):
+    """Batches of (x, y); in each poisoned batch one input row is NaN."""
+    x = X[: n_batches * BATCH].copy()
+    for batch in poisoned:
+        x[batch * BATCH + 3, 0] = np.nan
+    return tf.data.Dataset.from_tensor_slices((x, Y[: n_batches * BATCH])).batch(BATCH)
+
+
+def make_model(batch_norm: bool = False, seed: int = 0) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    layers = [keras.Input((FEATURES,)), keras.layers.Dense(8, activation="tanh")]
+    if batch_norm:
+        layers.append(keras.layers.BatchNormalization())
+    layers.append(keras.layers.Dense(1))
+    return keras.Sequential(layers)
+
+
+def state_of(model, optimizer) -> list[np.ndarray]:
+    """Every model variable (batch-norm statistics included) and every optimizer variable."""
+    return [np.array(v.numpy()) for v in model.variables] + [np.array(v.numpy()) for v in optimizer.variables]
+
+
+def assert_bit_identical(a: list[np.ndarray], b: list[np.ndarray]) -> None:
+    assert len(a) == len(b)
+    for left, right in zip(a, b):
+        assert left.dtype == right.dtype and left.shape == right.shape
+        assert left.tobytes() == right.tobytes()
+
+
+class SqrtOfProduct(keras.layers.Layer):
+    """y = sqrt(w * x): finite at x = 0, but d y / d w = x / (2 sqrt(w x)) = 0 * inf = NaN there."""
+
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=(), initializer=keras.initializers.Constant(0.5), name="w")
+
+    def call(self, x):
+        return tf.sqrt(self.w * x)
+
+
+# --------------------------------------------------------------------------------------
+# Skipping
+# --------------------------------------------------------------------------------------
+
+
+def test_poisoned_batches_are_skipped_and_the_rest_trains():
+    model, optimizer = make_model(), keras.optimizers.Adam(0.05)
+    history = train(model, make_dataset(poisoned=[1, 5]), loss="mse", optimizer=optimizer, epochs=4, verbose=0)
+
+    assert history.skipped == [1, 5, 9, 13, 17, 21, 25, 29]
+    assert int(optimizer.iterations) == 4 * N_BATCHES - 8  # skipped steps do not count
+    assert all(np.isnan(history.step_loss[i]) for i in history.skipped)
+    assert all(np.isnan(history.grad_norm[i]) for i in history.skipped)
+    assert np.isfinite(np.delete(history.grad_norm, history.skipped)).all()
+    assert history.epoch_loss[-1] < 0.5 * history.epoch_loss[0]  # it keeps learning
+    assert history.epoch_steps == [N_BATCHES] * 4
+    assert all(np.isfinite(v.numpy()).all() for v in model.variables)
+
+    report = history.reports[0]
+    assert isinstance(report, SkippedStep) and report.step == 1 and report.epoch == 0
+    assert {r.path for r in report.gradients} == {v.path for v in model.trainable_variables}
+    kernel = next(r for r in report.gradients if r.path == model.trainable_variables[0].path)
+    assert kernel.nan_count == FEATURES * 8  # the NaN row reaches every entry of the first kernel
+    assert "step 1 (epoch 0)" in str(report)
+
+
+def test_nan_gradient_under_a_finite_loss_is_skipped():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((1,)), SqrtOfProduct(name="sqrt_wx"), keras.layers.Dense(1)])
+    x = np.array([[1.0], [4.0], [0.0], [9.0]], "float32")  # x = 0 in the third batch
+    data = tf.data.Dataset.from_tensor_slices((x, np.sqrt(x))).batch(1)
+    history = train(model, data, loss="mse", optimizer=keras.optimizers.SGD(0.01), verbose=0)
+
+    assert history.skipped == [2]
+    assert np.isfinite(history.step_loss[2])  # the loss is finite, the gradient is not
+    (record,) = history.reports[0].gradients
+    assert record.path.endswith("sqrt_wx/w") and record.nan_count == 1
+
+
+def test_a_step_whose_gradient_norm_overflows_is_skipped_and_said_so():
+    model, optimizer = make_model(), keras.optimizers.SGD(0.01)
+
+    def huge_linear_loss(y, p):  # finite loss, finite but ~1e20-sized gradient entries
+        return tf.reduce_mean(p) * 1e20
+
+    history = train(model, make_dataset(n_batches=1), loss=huge_linear_loss, optimizer=optimizer, verbose=0)
+    assert history.skipped == [0] and np.isfinite(history.step_loss[0]) and np.isinf(history.grad_norm[0])
+    assert len(history.reports[0].gradients) == 0
+    assert "global norm overflows float32" in str(history.reports[0])
+    assert int(optimizer.iterations) == 0
+
+
+@pytest.mark.parametrize("mode", ["whole", "split"])
+def test_skipped_step_leaves_weights_and_optimizer_state_unchanged(mode, monkeypatch):
+    # "split" (update in its own XLA function) is what train() uses for large models.
+    monkeypatch.setattr(training, "_SPLIT_UPDATE_MIN_PARAMETERS", 0 if mode == "split" else 2**60)
+    poisoned_model, poisoned_opt = make_model(batch_norm=True), keras.optimizers.Adam(0.05)
+    clean_model, clean_opt = make_model(batch_norm=True), keras.optimizers.Adam(0.05)
+    # Step 1 of the poisoned run is batch 1 poisoned; the clean run never sees it.
+    data = make_dataset(poisoned=[1], n_batches=2)
+    history = train(poisoned_model, data, loss="mse", optimizer=poisoned_opt, verbose=0)
+    train(clean_model, data.take(1), loss="mse", optimizer=clean_opt, verbose=0)
+
+    assert [runner.mode for runner in training._RUNNERS[poisoned_model].values()] == [mode]
+    assert history.skipped == [1] and history.xla
+    assert int(poisoned_opt.iterations) == 1
+    # Weights, batch-norm statistics (restored after the NaN forward pass), Adam state.
+    assert_bit_identical(state_of(poisoned_model, poisoned_opt), state_of(clean_model, clean_opt))
+
+
+def test_nonfinite_error_after_consecutive_skips_leaves_last_good_state_bit_identical():
+    good = make_dataset().take(3)
+    bad = make_dataset(poisoned=range(N_BATCHES)).skip(3)
+    model, optimizer = make_model(batch_norm=True), keras.optimizers.Adam(0.05)
+    with pytest.raises(NonFiniteError) as caught:
+        train(model, good.concatenate(bad), loss="mse", optimizer=optimizer, max_consecutive_nonfinite=3, verbose=0)
+
+    error = caught.value
+    assert isinstance(error, FloatingPointError)
+    assert error.step == 5 and len(error.reports) == 3
+    message = str(error)
+    assert "step 5" in message and "max_consecutive_nonfinite=3" in message
+    for variable in model.trainable_variables:
+        assert variable.path in message
+    assert "after step 2" in message
+    assert error.history.skipped == [3, 4, 5]
+
+    reference_model, reference_opt = make_model(batch_norm=True), keras.optimizers.Adam(0.05)
+    train(reference_model, good, loss="mse", optimizer=reference_opt, verbose=0)
+    # Weights, batch-norm statistics, Adam moments and iteration counter: all bit-identical.
+    assert_bit_identical(state_of(model, optimizer), state_of(reference_model, reference_opt))
+    assert int(optimizer.iterations) == 3
+
+
+def test_raise_mode_raises_at_the_first_nonfinite_step_without_applying_it():
+    model, optimizer = make_model(), keras.optimizers.Adam(0.05)
+    with pytest.raises(NonFiniteError, match=r"step 2 .*on_nonfinite='raise'") as caught:
+        train(model, make_dataset(poisoned=[2]), loss="mse", optimizer=optimizer, on_nonfinite="raise", verbose=0)
+    assert caught.value.step == 2
+    assert int(optimizer.iterations) == 2
+    assert all(np.isfinite(v.numpy()).all() for v in model.variables)
+
+
+def test_clipping_bounds_finite_updates_and_does_not_spread_a_nan():
+    model, optimizer = make_model(), keras.optimizers.SGD(1.0)
+    before = [v.numpy().copy() for v in model.trainable_variables]
+    data = make_dataset(poisoned=[1], n_batches=2)
+    history = train(model, data, loss="mse", optimizer=optimizer, clip_global_norm=0.1, verbose=0)
+
+    assert history.skipped == [1]
+    assert history.grad_norm[0] > 0.1  # so clipping was active
+    change = np.sqrt(sum(np.sum((v.numpy() - b) ** 2) for v, b in zip(model.trainable_variables, before)))
+    assert change == pytest.approx(0.1, rel=1e-4)  # SGD(1.0): the update is the clipped gradient
+    assert all(np.isfinite(v.numpy()).all() for v in model.variables)
+
+
+@settings(max_examples=12, deadline=None)
+@given(poisoned=st.sets(st.integers(0, N_BATCHES - 1), max_size=N_BATCHES - 1))
+def test_exactly_the_poisoned_steps_are_skipped(poisoned, shared_setup):
+    model, optimizer = shared_setup
+    start = int(optimizer.iterations)
+    history = train(model, make_dataset(poisoned=sorted(poisoned)), loss="mse", optimizer=optimizer, verbose=0)
+    assert history.skipped == sorted(poisoned)
+    assert [r.step for r in history.reports] == sorted(poisoned)
+    assert int(optimizer.iterations) - start == N_BATCHES - len(poisoned)
+    assert all(np.isfinite(v.numpy()).all() for v in model.variables)
+
+
+@pytest.fixture(scope="module")
+def shared_setup():
+    # One model for all examples: train() reuses its compiled step, so examples are fast.
+    return make_model(seed=1), keras.optimizers.Adam(0.01)
+
+
+# --------------------------------------------------------------------------------------
+# Checkpoints
+# --------------------------------------------------------------------------------------
+
+
+class _Interrupt:
+    """A dataset that raises inside epoch `epoch` at batch `batch`, once."""
+
+    def __init__(self, epoch: int | None, batch: int) -> None:
+        self.fail_at = (epoch, batch)
+        self.epoch = -1
+
+    def dataset(self) -> tf.data.Dataset:
+        indices = np.arange(N_BATCHES)
+        batches = (indices, X.reshape(N_BATCHES, BATCH, FEATURES), Y.reshape(N_BATCHES, BATCH, 1))
+        base = tf.data.Dataset.from_tensor_slices(batches)
+
+        def check(i):
+            if i == 0:
+                self.epoch += 1
+            if (self.epoch, int(i)) == self.fail_at:
+                raise RuntimeError("simulated interruption")
+            return i
+
+        def with_check(i, x, y):
+            i = tf.numpy_function(check, [i], tf.int64)
+            with tf.control_dependencies([i]):
+                return tf.identity(x), y
+
+        return base.map(with_check)
+
+
+def test_resumed_run_ends_bit_identical_to_an_uninterrupted_run(tmp_path):
+    directory = tmp_path / "ckpt"
+    model, optimizer = make_model(batch_norm=True), keras.optimizers.Adam(0.05)
+    with pytest.raises(tf.errors.OpError, match="simulated interruption"):
+        train(model, _Interrupt(epoch=1, batch=3).dataset(), loss="mse", optimizer=optimizer, epochs=3,
+              checkpoint_dir=directory, verbose=0)
+    # A new process would build a fresh model and optimizer; so do we.
+    resumed_model, resumed_opt = make_model(batch_norm=True, seed=7), keras.optimizers.Adam(0.05)
+    resumed = train(resumed_model, _Interrupt(epoch=None, batch=0).dataset(), loss="mse", optimizer=resumed_opt,
+                    epochs=3, checkpoint_dir=directory, verbose=0)
+
+    straight_model, straight_opt = make_model(batch_norm=True), keras.optimizers.Adam(0.05)
+    straight = train(straight_model, _Interrupt(epoch=None, batch=0).dataset(), loss="mse", optimizer=straight_opt,
+                     epochs=3, verbose=0)
+
+    assert_bit_identical(state_of(resumed_model, resumed_opt), state_of(straight_model, straight_opt))
+    assert resumed.step_loss == straight.step_loss and resumed.epoch_loss == straight.epoch_loss
+    assert resumed.epochs == 3 and int(resumed_opt.iterations) == 3 * N_BATCHES
+
+    # Same directory, finished run: nothing left to do, and the history comes back.
+    again = train(resumed_model, make_dataset(), loss="mse", optimizer=resumed_opt, epochs=3,
+                  checkpoint_dir=directory, verbose=0)
+    assert again.step_loss == straight.step_loss and int(resumed_opt.iterations) == 3 * N_BATCHES
+
+    # Another architecture cannot be restored from it.
+    keras.utils.set_random_seed(0)
+    other = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(1)])
+    with pytest.raises(ValueError, match="does not match this model"):
+        train(other, make_dataset(), loss="mse", optimizer=keras.optimizers.Adam(), epochs=3,
+              checkpoint_dir=directory, verbose=0)
+
+
+def test_history_survives_a_json_round_trip():
+    from companion.diagnostics import GradientRecord, GradientReport
+
+    history = TrainingHistory(step_loss=[1.0, 3.5], grad_norm=[2.0, float("nan")], skipped=[1],
+                              epoch_loss=[1.0], epoch_steps=[2], xla=True)
+    record = GradientRecord("dense/kernel", (2, 3), nan_count=6, inf_count=0, max_abs=float("nan"))
+    history.reports.append(SkippedStep(1, 0, 3.5, GradientReport([record])))
+    restored = TrainingHistory.from_json(history.to_json())
+    assert restored.to_json() == history.to_json()
+    assert restored.skipped == [1] and restored.reports[0].gradients[0].shape == (2, 3)
+    assert np.isnan(restored.grad_norm[1]) and restored.xla is True
+    assert restored.trailing_nonfinite() == 1 and TrainingHistory(step_loss=[1.0], skipped=[]).trailing_nonfinite() == 0
+
+
+# --------------------------------------------------------------------------------------
+# Output, inputs, XLA
+# --------------------------------------------------------------------------------------
+
+
+def test_verbose_0_prints_nothing_and_verbose_1_shows_a_progress_bar(capsys):
+    model, optimizer = make_model(), keras.optimizers.SGD(0.01)
+    train(model, make_dataset(poisoned=[2]), loss="mse", optimizer=optimizer, epochs=2, verbose=0)
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == ""
+
+    train(model, make_dataset(poisoned=[2]), loss="mse", optimizer=optimizer, epochs=2, verbose=1)
+    out = capsys.readouterr().out
+    assert "Epoch 1/2" in out and "Epoch 2/2" in out
+    assert f"{N_BATCHES}/{N_BATCHES}" in out and "loss:" in out and "skipped:" in out
+
+
+def test_an_iterable_of_numpy_pairs_is_accepted():
+    batches = [(X[i : i + BATCH], Y[i : i + BATCH]) for i in range(0, len(X), BATCH)]
+    history = train(make_model(), batches, loss=keras.losses.MeanSquaredError(),
+                    optimizer=keras.optimizers.Adam(0.05), epochs=3, verbose=0, jit_compile=False)
+    assert history.steps == 3 * N_BATCHES and history.epoch_loss[-1] < history.epoch_loss[0]
+
+
+def _sum_over_batch_axis(y, p):
+    return tf.reduce_mean(tf.square(y - p), axis=0)
+
+
+def _broadcasting_mse(y, p):
+    return tf.square(y - p)
+
+
+class _DuckOptimizer:
+    """Has apply_gradients, like a Keras 2 / tf_keras optimizer, but is not a Keras 3 optimizer."""
+
+    def apply_gradients(self, grads_and_vars):
+        raise AssertionError("must not be called")
+
+
+BAD_INPUTS = [
+    ({"epochs": 0}, ValueError, r"epochs must be >= 1, got 0"),
+    ({"epochs": 1.5}, TypeError, r"epochs must be an int, got float"),
+    ({"on_nonfinite": "ignore"}, ValueError, r"on_nonfinite must be one of \('skip', 'raise'\), got 'ignore'"),
+    ({"max_consecutive_nonfinite": 0}, ValueError, r"max_consecutive_nonfinite must be >= 1"),
+    ({"optimizer": "adam"}, TypeError, r"optimizer must be a Keras optimizer .*got builtins\.str"),
+    ({"optimizer": _DuckOptimizer()}, TypeError, r"optimizer must be a Keras optimizer .*got .*_DuckOptimizer"),
+    ({"loss": 3}, TypeError, r"loss must be a callable .*got int 3"),
+    ({"loss": "no_such_loss"}, ValueError, r"'no_such_loss' is not a Keras loss name"),
+    ({"clip_global_norm": -1.0}, ValueError, r"clip_global_norm must be a finite number > 0, got -1\.0"),
+    ({"verbose": 3}, ValueError, r"verbose must be 0, 1 or 2, got 3"),
+    ({"dataset": tf.data.Dataset.from_tensor_slices(X).batch(8)}, TypeError,
+     r"dataset must yield \(inputs, targets\) pairs, but its elements are a single tensor of shape \(None, 3\)"),
+    ({"dataset": tf.data.Dataset.from_tensor_slices((X, Y, Y)).batch(8)}, TypeError,
+     r"sample weights are not supported"),
+    ({"dataset": [(X, Y, Y)]}, TypeError, r"element 0 is a tuple of length 3"),
+    ({"dataset": 42}, TypeError, r"dataset must be a tf\.data\.Dataset or an iterable"),
+    ({"dataset": tf.data.Dataset.from_tensor_slices((X, Y)).batch(8).take(0)}, ValueError, r"dataset is empty"),
+    ({"dataset": tf.data.Dataset.from_tensor_slices((X, Y)).batch(8).repeat()}, ValueError, r"dataset is infinite"),
+    ({"dataset": tf.data.Dataset.from_tensor_slices((X, Y[:, 0])).batch(8), "loss": _broadcasting_mse}, ValueError,
+     r"prediction shape \(None, 1\) does not match target shape \(None,\).*broadcast them to \(None, None\)"),
+    ({"dataset": tf.data.Dataset.from_tensor_slices((X, np.repeat(Y, 3, 1))).batch(8)}, ValueError,
+     r"prediction shape \(None, 1\) does not match target shape \(None, 3\)"),
+    ({"loss": _sum_over_batch_axis}, ValueError,
+     r"loss returned a tensor of shape \(1,\), but the predictions have shape \(None, 1\)"),
+]
+
+
+@pytest.mark.parametrize("override, error, message", BAD_INPUTS, ids=lambda v: None)
+def test_bad_input_raises_a_clear_error_before_any_step(override, error, message):
+    model, optimizer = make_model(), keras.optimizers.SGD(0.01)
+    arguments = {"dataset": make_dataset(), "loss": "mse", "optimizer": optimizer, "verbose": 0, **override}
+    dataset = arguments.pop("dataset")
+    before = [v.numpy().copy() for v in model.variables]
+    with pytest.raises(error, match=message):
+        train(model, dataset, **arguments)
+    assert int(optimizer.iterations) == 0
+    assert all(np.array_equal(v.numpy(), b) for v, b in zip(model.variables, before))
+
+
+def test_model_that_is_not_a_keras_model_is_rejected():
+    with pytest.raises(TypeError, match=r"model must be a Keras model .*got function"):
+        train(lambda x: x, make_dataset(), loss="mse", optimizer=keras.optimizers.SGD())
+
+
+def test_unbuilt_model_is_built_from_the_dataset():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)])
+    history = train(model, make_dataset(), loss="mse", optimizer=keras.optimizers.Adam(0.05), epochs=2, verbose=0,
+                    jit_compile=False)
+    assert model.built and history.steps == 2 * N_BATCHES
+
+
+class HostOnlyNoise(keras.layers.Layer):
+    """Adds zero computed by NumPy: tf.numpy_function has no XLA kernel."""
+
+    def call(self, x):
+        zero = tf.numpy_function(lambda a: np.zeros_like(a), [x], tf.float32)
+        return x + tf.stop_gradient(tf.ensure_shape(zero, x.shape))
+
+
+def test_xla_failure_falls_back_with_a_warning_and_trains():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(4), HostOnlyNoise(), keras.layers.Dense(1)])
+    optimizer = keras.optimizers.Adam(0.05)
+    with pytest.warns(RuntimeWarning, match=r"XLA could not compile the training step \(no XLA kernel for PyFunc\)"):
+        history = train(model, make_dataset(poisoned=[3]), loss="mse", optimizer=optimizer, epochs=2, verbose=0)
+    assert history.xla is False
+    assert history.skipped == [3, 11]  # the failed attempt consumed no step
+    assert int(optimizer.iterations) == 2 * N_BATCHES - 2
+
+
+# --------------------------------------------------------------------------------------
+# SkipNonFinite with model.fit
+# --------------------------------------------------------------------------------------
+
+
+def test_skip_nonfinite_makes_fit_skip_a_poisoned_batch():
+    model = make_model()
+    model.compile(optimizer=SkipNonFinite(keras.optimizers.Adam(0.05)), loss="mse", jit_compile=True)
+    assert model.jit_compile  # the guard runs inside the XLA-compiled train step
+    before = model.evaluate(X, Y, verbose=0)
+    model.fit(make_dataset(poisoned=[2]), epochs=3, verbose=0, shuffle=False)
+
+    assert int(model.optimizer.skipped_steps) == 3
+    assert int(model.optimizer.iterations) == 3 * (N_BATCHES - 1)
+    assert all(np.isfinite(v.numpy()).all() for v in model.variables)
+    assert model.evaluate(X, Y, verbose=0) < 0.5 * before
+
+
+def test_skip_nonfinite_skip_leaves_inner_optimizer_state_unchanged():
+    guarded_model, clean_model = make_model(), make_model()
+    guarded_model.compile(optimizer=SkipNonFinite(keras.optimizers.Adam(0.05)), loss="mse", jit_compile=True)
+    clean_model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse", jit_compile=True)
+    guarded_model.fit(make_dataset(poisoned=[1], n_batches=2), verbose=0, shuffle=False)
+    clean_model.fit(make_dataset(n_batches=1), verbose=0, shuffle=False)
+    inner = guarded_model.optimizer.inner_optimizer
+    assert_bit_identical(state_of(guarded_model, inner), state_of(clean_model, clean_model.optimizer))
+
+
+def test_skip_nonfinite_rejects_what_it_cannot_wrap():
+    with pytest.raises(TypeError, match="inner_optimizer must be a Keras optimizer"):
+        SkipNonFinite("adam")
+    with pytest.raises(ValueError, match=re.escape("LossScaleOptimizer(SkipNonFinite(optimizer))")):
+        SkipNonFinite(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()))
+
+
+def test_skip_nonfinite_config_round_trip():
+    wrapper = SkipNonFinite(keras.optimizers.Adam(0.003), name="guarded")
+    restored = SkipNonFinite.from_config(wrapper.get_config())
+    assert restored.name == "guarded"
+    assert isinstance(restored.inner_optimizer, keras.optimizers.Adam)
+    assert float(restored.learning_rate) == pytest.approx(0.003)
+
+
+def test_a_clean_run_issues_no_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        history = train(make_model(), make_dataset(), loss="mse", optimizer=keras.optimizers.SGD(0.01), verbose=0,
+                        jit_compile=False)
+    assert history.skipped == [] and history.reports == []

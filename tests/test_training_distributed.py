@@ -1,0 +1,225 @@
+"""companion.training under tf.distribute.MirroredStrategy and under mixed precision.
+
+MirroredStrategy needs two logical CPU devices, which can only be configured before
+TensorFlow runs its first op, so that scenario runs in a fresh Python process (one
+process for all its checks: the TensorFlow import alone takes seconds). Mixed precision
+is set per layer (``dtype="mixed_float16"``), so it runs here without touching the
+global Keras policy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from companion.training import train
+
+MIRRORED_SCRIPT = textwrap.dedent(
+    r"""
+    import json, os
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    import tensorflow as tf
+
+    cpus = tf.config.list_physical_devices("CPU")
+    tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+
+    import keras
+    import numpy as np
+    from companion.training import SkipNonFinite, train
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 3)).astype("float32")
+    y = x @ np.array([[1.0], [2.0], [-1.0]], "float32")
+    # Global batch 8 is split 4 + 4: row 6 of batch 1 goes to replica 1 only.
+    x_poisoned = x.copy()
+    x_poisoned[8 + 6, 0] = np.nan
+    poisoned = tf.data.Dataset.from_tensor_slices((x_poisoned, y)).batch(8)
+    clean = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+
+    def model_and_optimizer():
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = keras.Sequential([
+                keras.Input((3,)),
+                keras.layers.Dense(8, activation="tanh"),
+                keras.layers.BatchNormalization(),
+                keras.layers.Dense(1),
+            ])
+            return model, keras.optimizers.Adam(0.05)
+
+    def replica_values(variable):
+        return [np.array(v.numpy()) for v in variable.value.values]
+
+    def state(model, optimizer):
+        return [a for v in model.variables + optimizer.variables for a in replica_values(v)]
+
+    result = {"replicas": strategy.num_replicas_in_sync}
+    first_replica, second_replica = [], []
+    for xb, _ in strategy.experimental_distribute_dataset(poisoned.take(2)):
+        first_replica.append(bool(np.isnan(xb.values[0].numpy()).any()))
+        second_replica.append(bool(np.isnan(xb.values[1].numpy()).any()))
+    result["nan_on_replica"] = [first_replica, second_replica]
+
+    model, optimizer = model_and_optimizer()
+    history = train(model, poisoned, loss="mse", optimizer=optimizer, epochs=3, strategy=strategy, verbose=0)
+    result["skipped"] = history.skipped
+    result["iterations"] = int(optimizer.iterations.numpy())
+    result["epoch_loss"] = history.epoch_loss
+    result["xla"] = history.xla
+    result["report_paths"] = [r.path for r in history.reports[0].gradients]
+    result["all_finite"] = all(np.isfinite(a).all() for a in state(model, optimizer))
+    result["trainable_in_sync"] = all(
+        all(np.array_equal(values[0], other) for other in values[1:])
+        for values in (replica_values(v) for v in model.trainable_variables)
+    )
+
+    # Skipping changes nothing on any replica: [batch 0, poisoned batch 1] == [batch 0]
+    # (without XLA, to save compile time: the skip logic is the same).
+    a_model, a_opt = model_and_optimizer()
+    train(a_model, poisoned.take(2), loss="mse", optimizer=a_opt, strategy=strategy, verbose=0, jit_compile=False)
+    b_model, b_opt = model_and_optimizer()
+    train(b_model, clean.take(1), loss="mse", optimizer=b_opt, strategy=strategy, verbose=0, jit_compile=False)
+    result["skip_bit_identical"] = all(
+        a.tobytes() == b.tobytes() for a, b in zip(state(a_model, a_opt), state(b_model, b_opt))
+    )
+
+    # model.fit with SkipNonFinite under the same strategy.
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        fit_model = keras.Sequential(
+            [keras.Input((3,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)]
+        )
+        fit_model.compile(optimizer=SkipNonFinite(keras.optimizers.Adam(0.05)), loss="mse")
+    fit_model.fit(poisoned, epochs=2, verbose=0, shuffle=False)
+    result["fit_skipped"] = int(fit_model.optimizer.skipped_steps.numpy())
+    result["fit_iterations"] = int(fit_model.optimizer.iterations.numpy())
+    result["fit_finite"] = all(np.isfinite(a).all() for v in fit_model.variables for a in replica_values(v))
+
+    # A model created outside the scope is refused before any step.
+    keras.utils.set_random_seed(0)
+    outside = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    try:
+        train(outside, clean, loss="mse", optimizer=keras.optimizers.SGD(), strategy=strategy, verbose=0)
+        result["outside_error"] = None
+    except ValueError as error:
+        result["outside_error"] = str(error)
+    print("RESULT " + json.dumps(result))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def mirrored_result() -> dict:
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONHASHSEED="0")
+    completed = subprocess.run(
+        [sys.executable, "-c", MIRRORED_SCRIPT], capture_output=True, text=True, timeout=240, env=env
+    )
+    lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
+    if completed.returncode != 0 or not lines:
+        pytest.fail(f"MirroredStrategy script failed ({completed.returncode}):\n{completed.stderr[-4000:]}")
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+@pytest.mark.slow
+def test_mirrored_nan_on_one_replica_skips_the_step_on_all(mirrored_result):
+    result = mirrored_result
+    assert result["replicas"] == 2
+    assert result["nan_on_replica"] == [[False, False], [False, True]]  # only replica 1 sees the NaN
+    assert result["skipped"] == [1, 9, 17]
+    assert result["iterations"] == 3 * 8 - 3
+    assert result["all_finite"] and result["trainable_in_sync"]
+    assert result["epoch_loss"][-1] < result["epoch_loss"][0]
+    assert result["xla"] is True
+    assert "sequential/dense/kernel" in result["report_paths"]
+
+
+@pytest.mark.slow
+def test_mirrored_skip_is_bit_identical_on_every_replica(mirrored_result):
+    assert mirrored_result["skip_bit_identical"]
+
+
+@pytest.mark.slow
+def test_mirrored_fit_with_skip_nonfinite(mirrored_result):
+    assert mirrored_result["fit_skipped"] == 2
+    assert mirrored_result["fit_iterations"] == 2 * (8 - 1)
+    assert mirrored_result["fit_finite"]
+
+
+@pytest.mark.slow
+def test_mirrored_model_created_outside_the_scope_is_refused(mirrored_result):
+    assert "not created under the strategy's scope" in mirrored_result["outside_error"]
+
+
+# --------------------------------------------------------------------------------------
+# Mixed precision
+# --------------------------------------------------------------------------------------
+
+_RNG = np.random.default_rng(0)
+X = _RNG.normal(size=(64, 3)).astype("float32")
+Y = X @ np.array([[1.0], [2.0], [-1.0]], "float32")
+
+
+def dataset(poisoned=()):
+    x = X.copy()
+    for batch in poisoned:
+        x[batch * 8 + 3, 0] = np.nan
+    return tf.data.Dataset.from_tensor_slices((x, Y)).batch(8)
+
+
+def mixed_model(policy: str) -> keras.Model:
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [
+            keras.Input((3,)),
+            keras.layers.Dense(16, activation="tanh", dtype=policy),
+            keras.layers.Dense(1, dtype=policy),
+        ]
+    )
+
+
+def test_mixed_float16_trains_with_dynamic_loss_scaling():
+    model, optimizer = mixed_model("mixed_float16"), keras.optimizers.Adam(0.05)
+    assert model.layers[0].compute_dtype == "float16"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no stall warning on a healthy run
+        history = train(model, dataset(poisoned=[2]), loss="mse", optimizer=optimizer, epochs=4, verbose=0)
+
+    assert history.epoch_loss[-1] < 0.2 * history.epoch_loss[0]
+    assert len(history.loss_scale) == history.steps and history.loss_scale[0] == 2.0**15
+    assert not history.loss_scale_stalled
+    for step in history.skipped:  # every skipped step halves the scale, and nothing else
+        assert history.loss_scale[step + 1] == history.loss_scale[step] / 2
+    assert {2, 10, 18, 26} <= set(history.skipped)
+    assert int(optimizer.iterations) == history.steps - len(history.skipped)  # the inner optimizer's counter
+    assert all(np.isfinite(v.numpy()).all() for v in model.variables)
+
+
+def test_stalled_loss_scale_is_reported():
+    model = mixed_model("mixed_float16")
+    optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.05), initial_scale=4.0)
+    with pytest.warns(RuntimeWarning, match=r"dynamic loss scale fell to 1 by step 1: the gradients are non-finite"):
+        history = train(model, dataset(poisoned=[0, 1, 2, 3]), loss="mse", optimizer=optimizer, verbose=0,
+                        jit_compile=False)
+
+    assert history.loss_scale_stalled
+    assert history.skipped == [0, 1, 2, 3]
+    assert history.loss_scale[:5] == [4.0, 2.0, 1.0, 0.5, 0.25]
+    assert int(optimizer.inner_optimizer.iterations) == 4  # the four good steps after the stall
+
+
+def test_mixed_bfloat16_trains_and_skips_without_loss_scaling():
+    model, optimizer = mixed_model("mixed_bfloat16"), keras.optimizers.Adam(0.05)
+    history = train(model, dataset(poisoned=[1]), loss="mse", optimizer=optimizer, epochs=3, verbose=0,
+                    jit_compile=False)
+    assert history.skipped == [1, 9, 17] and history.loss_scale == []
+    assert history.epoch_loss[-1] < 0.5 * history.epoch_loss[0]
