@@ -8,9 +8,20 @@ import matplotlib
 import numpy as np
 import pytest
 import tensorflow as tf
-from tensorflow.python.framework.config import is_op_determinism_enabled
+from tensorflow.python.framework.config import disable_op_determinism, is_op_determinism_enabled
 
 from companion.notebook import BOOK_COLORS, setup
+
+
+@pytest.fixture(autouse=True)
+def _restore_global_state():
+    """setup() changes process-wide state; later tests (e.g. Keras' jit_compile choice,
+    which is off under op determinism) must not see it."""
+    determinism = is_op_determinism_enabled()
+    with matplotlib.rc_context():
+        yield
+    if not determinism:
+        disable_op_determinism()
 
 
 def _draws():
