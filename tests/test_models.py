@@ -14,6 +14,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.python.framework.config import disable_op_determinism, is_op_determinism_enabled
 
 from companion import targets
 from companion.models import FIX_NAMES, FIXES, ParameterNet
@@ -31,7 +32,11 @@ TRAINING_STEPS = 100
 
 @pytest.fixture(scope="module", autouse=True)
 def _deterministic_ops():
+    was_enabled = is_op_determinism_enabled()
     tf.config.experimental.enable_op_determinism()
+    yield
+    if not was_enabled:  # process-wide state: later test modules must not inherit it
+        disable_op_determinism()
 
 
 def _model(fixes=FIXES, **kwargs) -> ParameterNet:
