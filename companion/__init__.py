@@ -12,6 +12,8 @@ Submodules:
     attention: scaled dot-product attention and the attention block of ParameterNet.
     models: :class:`companion.models.ParameterNet`, case A's model with switchable fixes.
     targets: the families of target functions g(x) that ParameterNet fits.
+    reproductions: the seeds' failing code, faithfully, so chapters and tests can show it.
+    accuracy: errors in ulp against an mpmath reference (needs mpmath).
 """
 
 from __future__ import annotations
