@@ -19,7 +19,9 @@ more estimates are printed next to it: the ratio of the fastest runs (a slowdown
 outside never makes a run faster) and the ratio of process CPU time (a core lost to
 another tenant does not add CPU time). Run with::
 
-    python benchmarks/training_overhead.py [--quick]
+    python benchmarks/training_overhead.py [--quick] [--json PATH]
+
+(``--json`` also writes the ratios for the book's performance page.)
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import os
 import statistics
 import sys
 import time
+
+from _results import write_results
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -125,6 +129,7 @@ def compare(name: str, data, features: int, width: int, depth: int, epochs: int,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke test, noisier)")
+    parser.add_argument("--json", metavar="PATH", help="also write the ratios as JSON to PATH")
     args = parser.parse_args()
     # Many short runs: this 2-core VM's speed drifts by +-20 % from second to second.
     repeats_small, repeats_big = (6, 6) if args.quick else (42, 24)
@@ -166,6 +171,23 @@ def main() -> None:
         print(
             f"  {label:<43} wall {result['wall']:5.3f}x (target <= {target:.2f}x: {verdict:<6})"
             f"  quartiles {q1:.2f}..{q3:.2f}  fastest {result['fastest']:5.3f}x  CPU {result['cpu']:5.3f}x"
+        )
+    if args.json:
+        write_results(
+            args.json,
+            "training_overhead",
+            [
+                {
+                    "label": label,
+                    "ratio": result["wall"],
+                    "target": target,
+                    "q1": result["quartiles"][0],
+                    "q3": result["quartiles"][1],
+                    "fastest": result["fastest"],
+                    "cpu": result["cpu"],
+                }
+                for label, result, target in rows
+            ],
         )
 
 if __name__ == "__main__":

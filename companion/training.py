@@ -11,14 +11,20 @@ skip guarantee.
 How the check stays cheap
 -------------------------
 Every step is one XLA-compiled function: forward pass, gradients, their global norm,
-optional clipping and a ``tf.cond`` that either calls ``optimizer.apply`` or restores
-the state the forward pass changed. The finiteness test is the norm itself (a NaN or
-Inf anywhere makes the sum of squares non-finite), so a good step pays for no extra
-pass over the gradients; per-variable NaN and Inf counts are computed in the branch
-that runs only on skipped steps. (From 2**20 parameters on, the update is its
-own XLA function called from a graph-level ``tf.cond``: a conditional inside XLA makes
-XLA copy the variables and optimizer slots, which then costs more than one more
-launch per step.)
+optional clipping and the update. The finiteness test is the norm itself (a NaN or Inf
+anywhere makes the sum of squares non-finite), so a good step pays for no extra pass
+over the gradients. The update is not put under a conditional: every variable write of
+``optimizer.apply`` (weights, moments, iteration counter) is traced as
+``where(finite, new, old)``, which XLA fuses into the optimizer's element-wise update,
+so a guarded step reads and writes each parameter and slot once, as an unguarded step
+does. (A conditional update inside XLA makes XLA copy every variable and slot; a
+conditional between two XLA functions costs a launch and a round trip of the gradients
+through memory.) Per-variable NaN and Inf counts are computed in a branch that runs
+only on skipped steps. If an optimizer's update holds something that cannot be masked
+that way (a fused ``ResourceApply*`` kernel, a scatter, a conditional of its own), the
+loop finds out while tracing, before any step runs, and puts the update under a
+``tf.cond`` instead: inside the step's XLA function, or, from 2**20 parameters on, as
+its own XLA function called from a graph-level ``tf.cond``.
 
 Several steps run per host call: a ``tf.while_loop`` pulls batches from the dataset
 iterator and writes each step's loss, gradient norm and finiteness into
@@ -38,6 +44,7 @@ import json
 import math
 import os
 import re
+import threading
 import time
 import warnings
 import weakref
@@ -61,7 +68,7 @@ _ON_NONFINITE = ("skip", "raise")
 #: Seconds of work per host call the loop aims for (progress-bar refresh interval).
 _TARGET_SECONDS_PER_CALL = 0.2
 _MAX_STEPS_PER_CALL = 1024
-#: From this many trainable parameters on, the update runs as its own XLA function
+#: When the update cannot be masked: from this many trainable parameters on, it runs as its own XLA function
 #: (see ``_Runner``): around 2**20 parameters the copy XLA makes of the variables and
 #: optimizer slots around a conditional update costs about as much, on CPU, as one
 #: more function launch per step.
@@ -416,10 +423,98 @@ def _all_finite(gradients) -> tf.Tensor:
     return tf.reduce_all(tf.stack(flags))
 
 
+# --------------------------------------------------------------------------------------
+# Masked writes: an update that is applied or not without a conditional
+# --------------------------------------------------------------------------------------
+
+
+class _UnmaskableUpdate(Exception):
+    """The optimizer's update wrote state in a way ``_masked_writes`` cannot mask."""
+
+
+#: Stateful ops an update traced under ``_masked_writes`` may contain: reads, and the
+#: masked assignments the context emits itself (each one counted).
+_MASKABLE_STATEFUL_OPS = frozenset({"ReadVariableOp", "VarHandleOp", "AssignVariableOp"})
+
+
+class _masked_writes:
+    """Trace-time context: every resource-variable write becomes ``where(keep, new, old)``.
+
+    While it is active (in the thread that entered it), ``assign``, ``assign_add`` and
+    ``assign_sub`` of any ``tf.Variable`` are traced as one ``AssignVariableOp`` of
+    ``tf.where(apply, new_value, old_value)``, where ``new_value`` is computed exactly as
+    the original op computes it (``old + delta`` for ``assign_add``). When ``apply`` is
+    false every variable is written its own old value, bit for bit; when it is true the
+    update is the one the optimizer asked for. Under XLA the select fuses into the
+    optimizer's element-wise update, so a guarded step reads and writes each variable
+    and slot once, as an unguarded one does, where a conditional update makes XLA copy
+    them all.
+
+    On exit, the ops traced inside the context are checked: any stateful op other than
+    reads and the masked assignments themselves (a scatter, a fused ``ResourceApply*``
+    kernel, a nested conditional or function call, a random-number generator) raises
+    :class:`_UnmaskableUpdate`, and the caller falls back to a conditional update.
+    """
+
+    _WRITERS = ("assign_variable_op", "assign_add_variable_op", "assign_sub_variable_op")
+
+    def __init__(self, apply: tf.Tensor) -> None:
+        self.apply = apply
+        self.count = 0
+
+    def __enter__(self) -> "_masked_writes":
+        from tensorflow.python.ops import gen_resource_variable_ops as gen
+
+        self._gen = gen
+        self._owner = threading.get_ident()
+        self._originals = {name: getattr(gen, name) for name in self._WRITERS}
+        read, assign = gen.read_variable_op, self._originals["assign_variable_op"]
+
+        def wrap(name, combine):
+            original = self._originals[name]
+
+            def masked(resource, value, *args, **kwargs):
+                if threading.get_ident() != self._owner:
+                    return original(resource, value, *args, **kwargs)
+                old = read(resource, value.dtype)
+                self.count += 1
+                kwargs.pop("validate_shape", None)
+                return assign(resource, tf.where(self.apply, combine(old, value), old), *args, **kwargs)
+
+            return masked
+
+        patches = {
+            "assign_variable_op": wrap("assign_variable_op", lambda old, value: value),
+            "assign_add_variable_op": wrap("assign_add_variable_op", lambda old, value: old + value),
+            "assign_sub_variable_op": wrap("assign_sub_variable_op", lambda old, value: old - value),
+        }
+        self._graph = tf.compat.v1.get_default_graph()
+        self._first_op = len(self._graph.get_operations())
+        for name, patch in patches.items():
+            setattr(gen, name, patch)
+        return self
+
+    def __exit__(self, kind, error, trace) -> None:
+        for name, original in self._originals.items():
+            setattr(self._gen, name, original)
+        if kind is not None:
+            return
+        traced = self._graph.get_operations()[self._first_op :]
+        stateful = [op for op in traced if op.op_def is not None and op.op_def.is_stateful]
+        foreign = sorted({op.type for op in stateful if op.type not in _MASKABLE_STATEFUL_OPS})
+        assigns = sum(op.type == "AssignVariableOp" for op in stateful)
+        if foreign or assigns != self.count:
+            raise _UnmaskableUpdate(
+                f"the update contains {', '.join(foreign) or 'unmasked assignments'}"
+            )
+
+
 class _Runner:
     """The traced and compiled functions of one (model, loss, optimizer, strategy) setup."""
 
-    def __init__(self, model, loss, optimizer, strategy, *, jit: bool, clip: float | None, guard: bool) -> None:
+    def __init__(
+        self, model, loss, optimizer, strategy, *, jit: bool, clip: float | None, guard: bool, masked: bool = True
+    ) -> None:
         self._model = weakref.ref(model)
         self.loss = loss
         self.optimizer = optimizer
@@ -438,12 +533,16 @@ class _Runner:
         self.verified = False  # one call has run without error
         self.steps_per_call = 1
         # How the step is compiled (the results are the same, only the speed differs):
-        # "whole": one XLA function per step, the conditional update inside it. XLA
-        #     copies the variables and optimizer slots around a conditional update, a
-        #     cost proportional to the number of parameters.
-        # "split": two XLA functions per step, (forward, backward, test) and (update),
-        #     with the conditional between them in the TensorFlow graph, where the
-        #     update is in place; a fixed cost of one more launch per step instead.
+        # "masked": one XLA function per step; every write of the update is a select
+        #     between the new and the old value (see _masked_writes), which XLA fuses
+        #     into the update itself. The default.
+        # "whole": one XLA function per step, the update under a conditional inside
+        #     it; XLA copies the variables and optimizer slots around it, a cost
+        #     proportional to the number of parameters. Used when the update cannot
+        #     be masked (or with loss scaling, whose scale updates are conditional).
+        # "split": as "whole" from 2**20 parameters on: two XLA functions per step,
+        #     (forward, backward, test) and (update), with the conditional between
+        #     them in the TensorFlow graph, where the update is in place.
         # "graph": several replicas (the all-reduce and the cross-replica conditional,
         #     which uses merge_call, stay in the graph; the forward and backward pass
         #     are compiled), or jit_compile=False.
@@ -452,6 +551,8 @@ class _Runner:
             self.mode = "graph"
         elif self.replicas > 1:
             self.mode = "graph"
+        elif guard and masked and self.loss_scaler is None:
+            self.mode = "masked"
         elif guard and parameters >= _SPLIT_UPDATE_MIN_PARAMETERS:
             self.mode = "split"
         else:
@@ -460,7 +561,7 @@ class _Runner:
         def compiled(fn, when: bool):
             return tf.function(fn, jit_compile=True, autograph=False) if when else fn
 
-        self.step_fn = compiled(self._recorded_step, self.mode == "whole")
+        self.step_fn = compiled(self._recorded_step, self.mode in ("whole", "masked"))
         self.compute_fn = compiled(self._compute, self.mode == "split")
         self.apply_fn = compiled(self._apply, self.mode == "split")
         self.forward_fn = compiled(self._forward, self.mode == "graph" and self.jit)
@@ -575,6 +676,13 @@ class _Runner:
         nvars = len(self.variables)
         no_counts = (tf.zeros([nvars], tf.int64), tf.zeros([nvars], tf.int64))
 
+        def count():
+            # The NaN and Inf entries per variable: only skipped steps pay for them.
+            total = [None] * nvars
+            for i, g in zip(self.present, [first(g) for g in (unclipped or gradients)]):
+                total[i] = g
+            return _nonfinite_counts(total)
+
         def apply():
             self.strategy.run(self.apply_fn, args=(gradients,))
             if self.loss_scaler is not None:
@@ -586,13 +694,15 @@ class _Runner:
                 _restore(variable, self.strategy.experimental_local_results(value))
             if self.loss_scaler is not None:
                 self._shrink_loss_scale()
-            # Count the NaN and Inf entries per variable: only skipped steps pay for it.
-            total = [None] * nvars
-            for i, g in zip(self.present, [first(g) for g in (unclipped or gradients)]):
-                total[i] = g
-            return _nonfinite_counts(total)
+            return count()
 
-        if self.guard:
+        if self.mode == "masked":
+            with _masked_writes(finite):
+                self.strategy.run(self.apply_fn, args=(gradients,))
+            for variable, value in zip(self.state, saved):
+                variable.assign(tf.where(finite, tf.convert_to_tensor(variable), first(value)))
+            nan_counts, inf_counts = tf.cond(finite, lambda: no_counts, count)
+        elif self.guard:
             nan_counts, inf_counts = tf.cond(finite, apply, skip)
         else:
             apply()
@@ -678,7 +788,7 @@ def _loss_scale_wrapper(model, optimizer) -> keras.optimizers.LossScaleOptimizer
     return wrapper
 
 
-def _runner_for(model, loss, optimizer, strategy, *, jit, clip, guard) -> _Runner:
+def _runner_for(model, loss, optimizer, strategy, *, jit, clip, guard, masked=True) -> _Runner:
     key = (
         id(loss),
         id(optimizer),
@@ -686,13 +796,16 @@ def _runner_for(model, loss, optimizer, strategy, *, jit, clip, guard) -> _Runne
         bool(jit),
         clip,
         guard,
+        masked,
         tuple(id(v) for v in model.trainable_variables),
         tuple(id(v) for v in model.non_trainable_variables),
     )
     cache = _model_cache(model)
+    if masked and cache.get(("unmaskable", id(optimizer))):
+        return _runner_for(model, loss, optimizer, strategy, jit=jit, clip=clip, guard=guard, masked=False)
     runner = cache.get(key)
     if runner is None or (runner.loss, runner.optimizer, runner.strategy) != (loss, optimizer, strategy):
-        runner = _Runner(model, loss, optimizer, strategy, jit=jit, clip=clip, guard=guard)
+        runner = _Runner(model, loss, optimizer, strategy, jit=jit, clip=clip, guard=guard, masked=masked)
         cache[key] = runner
     return runner
 
@@ -1036,6 +1149,13 @@ def _train(
             started = time.perf_counter()
             try:
                 out = runner.run(iterator, steps_asked, consecutive, limit, known_length)
+            except _UnmaskableUpdate:
+                # Found while tracing, before anything ran: update under a conditional.
+                _model_cache(model)[("unmaskable", id(optimizer))] = True
+                runner = _runner_for(
+                    model, loss, optimizer, strategy, jit=runner.jit, clip=clip_global_norm, guard=guard, masked=False
+                )
+                continue
             except tf.errors.OpError as error:
                 if runner.jit and not runner.verified and _looks_like_xla_failure(error):
                     warnings.warn(

@@ -50,6 +50,11 @@ def state_of(model, optimizer) -> list[np.ndarray]:
     return [np.array(v.numpy()) for v in model.variables] + [np.array(v.numpy()) for v in optimizer.variables]
 
 
+def runner_modes(model) -> list[str]:
+    """How train() compiled its steps for ``model``, in the order it tried them."""
+    return [value.mode for value in training._RUNNERS[model].values() if isinstance(value, training._Runner)]
+
+
 def assert_bit_identical(a: list[np.ndarray], b: list[np.ndarray]) -> None:
     assert len(a) == len(b)
     for left, right in zip(a, b):
@@ -119,22 +124,40 @@ def test_a_step_whose_gradient_norm_overflows_is_skipped_and_said_so():
     assert int(optimizer.iterations) == 0
 
 
-@pytest.mark.parametrize("mode", ["whole", "split"])
-def test_skipped_step_leaves_weights_and_optimizer_state_unchanged(mode, monkeypatch):
-    # "split" (update in its own XLA function) is what train() uses for large models.
+@pytest.mark.parametrize(
+    "mode, make_optimizer",
+    [
+        ("masked", lambda: keras.optimizers.Adam(0.05)),
+        ("whole", lambda: keras.optimizers.Adam(0.05)),
+        ("split", lambda: keras.optimizers.Adam(0.05)),
+        # An update with a conditional inside cannot be masked: train falls back by itself.
+        ("whole", lambda: keras.optimizers.Adam(0.05, use_ema=True, ema_overwrite_frequency=2)),
+    ],
+    ids=["masked", "whole", "split", "conditional-update-falls-back"],
+)
+def test_skipped_step_leaves_weights_and_optimizer_state_unchanged(mode, make_optimizer, monkeypatch, request):
+    # "masked" (every write a select, one XLA function) is what train() uses by default;
+    # "whole" and "split" (the update under a conditional, in one XLA function or in its
+    # own, for large models) are its fallbacks when an optimizer's update cannot be masked.
+    if request.node.callspec.id in ("whole", "split"):
+        monkeypatch.setattr(training, "_MASKABLE_STATEFUL_OPS", frozenset())  # nothing can be masked
     monkeypatch.setattr(training, "_SPLIT_UPDATE_MIN_PARAMETERS", 0 if mode == "split" else 2**60)
-    poisoned_model, poisoned_opt = make_model(batch_norm=True), keras.optimizers.Adam(0.05)
-    clean_model, clean_opt = make_model(batch_norm=True), keras.optimizers.Adam(0.05)
+    poisoned_model, poisoned_opt = make_model(batch_norm=True), make_optimizer()
+    clean_model, clean_opt = make_model(batch_norm=True), make_optimizer()
     # Step 1 of the poisoned run is batch 1 poisoned; the clean run never sees it.
     data = make_dataset(poisoned=[1], n_batches=2)
     history = train(poisoned_model, data, loss="mse", optimizer=poisoned_opt, verbose=0)
     train(clean_model, data.take(1), loss="mse", optimizer=clean_opt, verbose=0)
 
-    assert [runner.mode for runner in training._RUNNERS[poisoned_model].values()] == [mode]
+    modes = runner_modes(poisoned_model)
+    assert modes == (["masked"] if mode == "masked" else ["masked", mode])
     assert history.skipped == [1] and history.xla
     assert int(poisoned_opt.iterations) == 1
     # Weights, batch-norm statistics (restored after the NaN forward pass), Adam state.
     assert_bit_identical(state_of(poisoned_model, poisoned_opt), state_of(clean_model, clean_opt))
+    # A second call reuses the runner that works, without tracing the masked one again.
+    train(poisoned_model, data, loss="mse", optimizer=poisoned_opt, verbose=0)
+    assert runner_modes(poisoned_model) == modes
 
 
 def test_nonfinite_error_after_consecutive_skips_leaves_last_good_state_bit_identical():
