@@ -79,7 +79,7 @@ def main() -> None:
     print(f"  ratio tilted_mean / naive = {ratio:.2f}  (target <= 1.5)")
     if args.json:
         q1, _, q3 = statistics.quantiles([a / b for a, b in zip(times["tilted_mean"], times["naive"])], n=4)
-        label = f"tilted_mean / naive formula, forward + backward, {args.size:,} {args.dtype} values"
+        label = f"tilted_mean / naive formula ({args.size:,} {args.dtype})"
         write_results(
             args.json, "tilted_mean", [{"label": label, "ratio": ratio, "target": 1.5, "q1": q1, "q3": q3}]
         )
