@@ -145,8 +145,8 @@ class GradientReport(tuple):
 def _format_float(value: float | None) -> str:
     if value is None:
         return "-"
-    if math.isnan(value):
-        return "nan"
+    if math.isnan(value):  # a max_abs of NaN: no entry of the gradient is finite
+        return "none finite"
     return f"{value:.2e}"
 
 

@@ -104,14 +104,17 @@ def test_gradient_report_prints_an_aligned_table():
             GradientRecord("net/dense/kernel", (4, 8), nan_count=3, inf_count=1, max_abs=1.5),
             GradientRecord("net/dense/bias", (8,), nan_count=0, inf_count=0, max_abs=0.25),
             GradientRecord("net/unused", (2,), 0, 0, 0.0, has_gradient=False),
+            GradientRecord("net/poisoned", (2,), nan_count=2, inf_count=0, max_abs=float("nan")),
         ]
     )
     lines = str(report).splitlines()
     assert lines[0].split() == ["variable", "shape", "NaN", "Inf", "max", "|finite|"]
     assert lines[1].split() == ["net/dense/kernel", "(4,", "8)", "3", "1", "1.50e+00"]
     assert lines[3].split()[-2:] == ["no", "gradient"]
+    assert lines[4].split()[-2:] == ["none", "finite"]  # not "nan": there is no finite entry to measure
     assert len({len(line) for line in lines[:3]}) == 1  # aligned columns
-    assert [r.path for r in report.nonfinite] == ["net/dense/kernel"]
+    assert [r.path for r in report.nonfinite] == ["net/dense/kernel", "net/poisoned"]
+    assert str(report[3]).endswith("2 NaN, 0 Inf, max |finite| none finite")
     assert "3 NaN, 1 Inf" in str(report[0])
 
 
