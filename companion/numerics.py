@@ -24,11 +24,15 @@ def _as_float_tensor(value, name: str, dtype: tf.DType | None = None) -> tf.Tens
     if isinstance(value, (str, bytes)):
         raise TypeError(f"{name} must be a floating-point tensor, got a string {value!r}")
     try:
-        if isinstance(value, (tf.Tensor, tf.Variable, np.ndarray)):
-            # Arrays and tensors keep their own dtype (a float64 array must not become float32).
+        if isinstance(value, (tf.Tensor, tf.Variable, np.ndarray)) or (
+            dtype is None and isinstance(value, np.generic)
+        ):
+            # Tensors, arrays and (for x itself) NumPy scalars keep their own dtype:
+            # a float64 array must not silently become float32.
             tensor = tf.convert_to_tensor(value)
         else:
-            # Python and NumPy scalars and lists take x's dtype, or float32.
+            # Python numbers and lists, and NumPy scalars given for p, take x's dtype
+            # (or float32).
             tensor = tf.convert_to_tensor(value, dtype_hint=dtype or tf.float32)
     except (TypeError, ValueError) as err:
         raise TypeError(f"{name} must be a floating-point tensor, got {type(value).__name__}: {err}") from None
@@ -430,7 +434,8 @@ def bounded(raw, low: float, high: float, name: str | None = None) -> tf.Tensor:
     the gradient stays nonzero down to ``raw = -87``), so the interval is closed in
     practice; the result is
     clipped to ``[low, high]`` (rounded to the dtype) so that rounding never steps past
-    a bound.
+    a bound. (A bound smaller in magnitude than the dtype's smallest normal number, such
+    as 1e-39 in float32, acts as 0 on CPU, where TensorFlow flushes subnormals to zero.)
 
     Args:
         raw: floating-point tensor of unconstrained values.
@@ -661,21 +666,6 @@ def _tilted_mean_derivative(x: tf.Tensor) -> tf.Tensor:
     return tf.where(near, near_derivative, far_derivative)
 
 
-def _own_dtype(value) -> tf.DType | None:
-    """The dtype `value` already has (a tensor's, a NumPy array's or scalar's), else None.
-
-    Passed to `_as_float_tensor` so that a float64 NumPy array stays float64: with only
-    its float32 ``dtype_hint``, ``tf.convert_to_tensor`` casts float64 arrays to float32.
-    """
-    dtype = getattr(value, "dtype", None)
-    if dtype is None:
-        return None
-    try:
-        return tf.as_dtype(dtype)
-    except TypeError:
-        return None
-
-
 @tf.custom_gradient
 def _tilted_mean_float(x: tf.Tensor):
     def grad(upstream: tf.Tensor) -> tf.Tensor:
@@ -774,7 +764,7 @@ def tilted_mean(x, name: str | None = None) -> tf.Tensor:
         array([1.2e-05, 4.8e-03, 1.0e+00, 4.8e-03], dtype=float32)
     """
     with tf.name_scope(name or "tilted_mean"):
-        x = _as_float_tensor(x, "x", _own_dtype(x))
+        x = _as_float_tensor(x, "x")
         if x.dtype in (tf.float16, tf.bfloat16):
             return tf.cast(_tilted_mean_float(tf.cast(x, tf.float32)), x.dtype)
         return _tilted_mean_float(x)
