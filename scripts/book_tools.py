@@ -35,6 +35,45 @@ def repository_branch() -> str:
     return config["repository"].get("branch", "main")
 
 
+def path_to_book() -> str:
+    """``repository.path_to_book`` of ``_config.yml``: where the book's root is inside the repository."""
+    import yaml
+
+    config = yaml.safe_load((ROOT / "_config.yml").read_text())
+    return (config["repository"].get("path_to_book") or "").strip("/")
+
+
+def colab_launch_url(notebook: pathlib.Path) -> str:
+    """The URL that opens ``notebook`` (a path under ROOT) in Colab from the configured repository and branch."""
+    owner_repo = re.sub(r"^https?://github\.com/", "", repository_url()).removesuffix(".git")
+    path = notebook.resolve().relative_to(ROOT).as_posix()
+    if path_to_book():
+        path = f"{path_to_book()}/{path}"
+    return f"https://colab.research.google.com/github/{owner_repo}/blob/{repository_branch()}/{path}"
+
+
+def toc_sources() -> list[pathlib.Path]:
+    """The source file (.md or .ipynb) of every page in ``_toc.yml``, root first, in reading order."""
+    import yaml
+
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    entries = [toc["root"]]
+
+    def walk(items):
+        for item in items:
+            if "file" in item:
+                entries.append(item["file"])
+            walk(item.get("chapters", []) + item.get("sections", []))
+
+    walk(toc.get("parts", []) + toc.get("chapters", []))
+    sources = []
+    for entry in entries:
+        found = [ROOT / f"{entry}{ext}" for ext in (".md", ".ipynb") if (ROOT / f"{entry}{ext}").exists()]
+        if found:
+            sources.append(found[0])
+    return sources
+
+
 def colab_install_spec(url: str | None = None, version: str | None = None) -> str:
     """The pip requirement the Colab cell installs: the tagged release of this version."""
     url = url or repository_url()
@@ -64,7 +103,7 @@ def first_code_cell(nb: dict) -> dict | None:
     return next((c for c in nb["cells"] if c["cell_type"] == "code"), None)
 
 
-LINKED_PAGES = ("README.md", "book/**/*.md")
+LINKED_PAGES = ("README.md", "CHANGELOG.md", "book/**/*.md")
 
 
 def linked_pages() -> list[pathlib.Path]:

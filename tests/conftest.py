@@ -1,0 +1,59 @@
+"""Fixtures shared by the tests of the built book (packaging, launch buttons, API page, browser).
+
+The book is built once per test session, with the README's build command plus warnings as
+errors and nitpicky references, into a temporary folder; every test that looks at the HTML
+shares that one build.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+import book_tools
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltBook:
+    html: pathlib.Path
+    returncode: int
+    log: str
+    seconds: float
+
+    def page(self, source: pathlib.Path) -> pathlib.Path:
+        """The HTML page built from a source file of the book (a .md or .ipynb under ROOT)."""
+        return self.html / source.relative_to(book_tools.ROOT).with_suffix(".html")
+
+
+def _problems_first(log: str) -> str:
+    """The warning and error lines of a build log, then its end."""
+    problems = [line for line in log.splitlines() if re.search(r"\b(WARNING|ERROR|CRITICAL)\b", line)]
+    problems = [line for line in problems if "absl::InitializeLog" not in line]  # TensorFlow's import noise
+    return "\n".join(problems[:50]) + "\n...\n" + log[-3000:]
+
+
+@pytest.fixture(scope="session")
+def built_book(tmp_path_factory) -> BuiltBook:
+    """`jupyter-book build . -W -n --keep-going`, run once for the whole session."""
+    out = tmp_path_factory.mktemp("book")
+    jupyter_book = pathlib.Path(sys.executable).with_name("jupyter-book")
+    start = time.perf_counter()
+    result = subprocess.run(
+        [str(jupyter_book), "build", str(book_tools.ROOT), "-W", "-n", "--keep-going", "--path-output", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    book = BuiltBook(
+        html=out / "_build" / "html",
+        returncode=result.returncode,
+        log=_problems_first(result.stdout + result.stderr),
+        seconds=time.perf_counter() - start,
+    )
+    if not (book.html / "index.html").exists():
+        pytest.fail(f"the book did not build:\n{book.log}")
+    return book

@@ -1,0 +1,148 @@
+"""The built book's HTML: launch buttons that open the right notebook, an API page that
+covers every public name of `companion`, and math that needs no CDN.
+
+All tests here share the session's one build (the `built_book` fixture, tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import html.parser
+import importlib
+import pkgutil
+import re
+
+import pytest
+
+import book_tools
+import companion
+
+pytestmark = pytest.mark.slow
+
+NOTEBOOKS = book_tools.notebooks()
+PAGES = book_tools.toc_sources()
+
+
+class _Links(html.parser.HTMLParser):
+    """Every <a href>, <script src> and element id of a page."""
+
+    def __init__(self):
+        super().__init__()
+        self.hrefs: list[str] = []
+        self.scripts: list[str] = []
+        self.ids: set[str] = set()
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if "id" in attrs:
+            self.ids.add(attrs["id"])
+        if tag == "a" and attrs.get("href"):
+            self.hrefs.append(attrs["href"])
+        if tag == "script" and attrs.get("src"):
+            self.scripts.append(attrs["src"])
+
+
+def _parse(path) -> _Links:
+    parser = _Links()
+    parser.feed(path.read_text())
+    return parser
+
+
+def _rel(path) -> str:
+    return str(path.relative_to(book_tools.ROOT))
+
+
+# --- Colab launch buttons -------------------------------------------------------------------
+
+
+def test_launch_url_is_derived_from_the_repository_setting():
+    url = book_tools.colab_launch_url(book_tools.ROOT / "book" / "x" / "y.ipynb")
+    owner_repo = book_tools.repository_url().removeprefix("https://github.com/")
+    assert url == (
+        f"https://colab.research.google.com/github/{owner_repo}/blob/{book_tools.repository_branch()}/book/x/y.ipynb"
+    )
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[_rel(p) for p in NOTEBOOKS])
+def test_notebook_page_launches_that_very_notebook_in_colab(built_book, notebook):
+    page = built_book.page(notebook)
+    assert page.is_file(), f"{_rel(notebook)} has no page in the built book: is it in _toc.yml?"
+    colab = [h for h in _parse(page).hrefs if h.startswith("https://colab.research.google.com/")]
+    expected = book_tools.colab_launch_url(notebook)
+    assert colab == [expected], f"{_rel(page)}: Colab launch links {colab}, expected [{expected}]"
+    # The URL names a notebook that is in the repository, at the path the URL gives.
+    path_in_repo = expected.split(f"/blob/{book_tools.repository_branch()}/", 1)[1]
+    assert (book_tools.ROOT / path_in_repo.removeprefix(book_tools.path_to_book() + "/")).is_file()
+
+
+def test_pages_without_a_notebook_have_no_colab_button(built_book):
+    for source in PAGES:
+        if source.suffix == ".md":
+            hrefs = _parse(built_book.page(source)).hrefs
+            assert not [h for h in hrefs if "colab.research.google.com" in h], f"{_rel(source)} has a Colab button"
+
+
+def test_repository_button_links_to_the_configured_repository(built_book):
+    url = book_tools.repository_url()
+    for source in PAGES:
+        assert url in _parse(built_book.page(source)).hrefs, f"{_rel(source)}: no link to {url}"
+
+
+# --- API reference --------------------------------------------------------------------------
+
+API_PAGE = book_tools.BOOK / "reference" / "api.md"
+
+
+def _public_submodules() -> list[str]:
+    return sorted(m.name for m in pkgutil.iter_modules(companion.__path__) if not m.name.startswith("_"))
+
+
+def _public_names(module) -> list[str]:
+    names = getattr(module, "__all__", None)
+    assert names is not None, f"{module.__name__} has no __all__: its public names are not declared"
+    return list(names)
+
+
+def test_every_public_submodule_is_exported_and_on_the_api_page():
+    submodules = _public_submodules()
+    assert set(submodules) <= set(companion.__all__), (
+        f"companion.__all__ lacks the submodules {sorted(set(submodules) - set(companion.__all__))}"
+    )
+    documented = re.findall(r"^\.\. automodule:: (companion\.\w+)", API_PAGE.read_text(), re.M)
+    assert sorted(documented) == [f"companion.{m}" for m in submodules], (
+        "book/reference/api.md must have one `.. automodule::` per public submodule of companion"
+    )
+
+
+@pytest.mark.parametrize("submodule", _public_submodules())
+def test_every_public_name_is_documented_on_the_api_page(built_book, submodule):
+    module = importlib.import_module(f"companion.{submodule}")
+    ids = _parse(built_book.page(API_PAGE)).ids
+    missing = [n for n in _public_names(module) if f"companion.{submodule}.{n}" not in ids]
+    assert not missing, f"the API page has no entry for companion.{submodule}.{missing}"
+    for name in _public_names(module):
+        obj = getattr(module, name)
+        if callable(obj):
+            assert (obj.__doc__ or "").strip(), f"companion.{submodule}.{name} has no docstring"
+
+
+# --- MathJax ships with the book ------------------------------------------------------------
+
+
+def test_math_is_rendered_by_the_bundled_mathjax_not_a_cdn(built_book):
+    pages_with_math = 0
+    for source in PAGES:
+        page = built_book.page(source)
+        scripts = _parse(page).scripts
+        assert not [s for s in scripts if re.match(r"(https?:)?//", s) and "mathjax" in s.lower()], (
+            f"{_rel(page)} loads MathJax from the network"
+        )
+        mathjax = [s for s in scripts if "mathjax" in s.lower()]
+        if mathjax:
+            pages_with_math += 1
+            target = (page.parent / mathjax[0].split("?")[0]).resolve()
+            assert target.is_file() and target.is_relative_to(built_book.html / "_static"), (
+                f"{_rel(page)}: MathJax script {mathjax[0]} does not resolve to a file of the built book"
+            )
+            fonts = target.parent / "output" / "chtml" / "fonts" / "woff-v2"
+            assert len(list(fonts.glob("*.woff"))) > 10, f"MathJax's fonts are missing from {fonts}"
+    assert pages_with_math >= 5, "the chapters' math should load MathJax"
