@@ -8,6 +8,7 @@ Submodules:
     numerics: numerically safe tensor functions (e.g. :func:`companion.numerics.double_where`).
     notebook: one-call set-up for the book's chapters.
     training: :func:`companion.training.train`, a training loop that survives NaN.
+    launch: start the workers of a multi-worker job on one machine (``python -m companion.launch``).
     diagnostics: which gradients are non-finite, and where the first NaN appears.
     attention: scaled dot-product attention and the attention block of ParameterNet.
     models: :class:`companion.models.ParameterNet`, case A's model with switchable fixes.
@@ -23,7 +24,18 @@ from typing import Any
 
 from companion._version import __version__
 
-_SUBMODULES = ("accuracy", "attention", "diagnostics", "models", "notebook", "numerics", "reproductions", "targets", "training")
+_SUBMODULES = (
+    "accuracy",
+    "attention",
+    "diagnostics",
+    "launch",
+    "models",
+    "notebook",
+    "numerics",
+    "reproductions",
+    "targets",
+    "training",
+)
 
 __all__ = ["__version__", *_SUBMODULES]
 

@@ -6,7 +6,8 @@ check applies no update at all (weights, optimizer moments and iteration counter
 the batch-normalisation statistics the forward pass touched all stay as they were) and
 is recorded in the :class:`TrainingHistory`; too many in a row raise
 :class:`NonFiniteError`. :class:`SkipNonFinite` gives ``model.fit`` users the same
-skip guarantee.
+skip guarantee. Under ``tf.distribute.MultiWorkerMirroredStrategy`` :func:`train` runs
+on several machines; a worker that loses a peer raises :class:`WorkerLostError`.
 
 How the check stays cheap
 -------------------------
@@ -31,8 +32,10 @@ iterator and writes each step's loss, gradient norm and finiteness into
 ``tf.TensorArray`` s, and stops early at the end of the epoch or when the consecutive
 non-finite count reaches its limit. The host reads those arrays back once per call and
 adapts the number of steps per call so that it syncs a few times per second (which is
-also how often the progress bar moves). This is the ``steps_per_execution`` loop of
-Keras' own trainer, without a per-step ``TerminateOnNaN`` sync.
+also how often the progress bar moves; several workers agree on it, with one small
+all-reduce per call, since their collective ops must match step for step). This is the
+``steps_per_execution`` loop of Keras' own trainer, without a per-step
+``TerminateOnNaN`` sync.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ from companion.diagnostics import (
     _resolve_loss,
 )
 
-__all__ = ["NonFiniteError", "SkipNonFinite", "SkippedStep", "TrainingHistory", "train"]
+__all__ = ["NonFiniteError", "SkipNonFinite", "SkippedStep", "TrainingHistory", "WorkerLostError", "train"]
 
 _ON_NONFINITE = ("skip", "raise")
 #: Seconds of work per host call the loop aims for (progress-bar refresh interval).
@@ -389,6 +392,11 @@ def _global_norm(gradients) -> tf.Tensor:
     return tf.sqrt(tf.add_n(squares))
 
 
+def _batch_size(targets) -> tf.Tensor:
+    """The number of examples in a batch (the leading dimension of its targets), as float32."""
+    return tf.cast(tf.shape(tf.nest.flatten(targets)[0])[0], tf.float32)
+
+
 def _restore(variable, values) -> None:
     """Assign each replica's copy of ``variable`` its own saved value (cross-replica context)."""
     tf_variable = getattr(variable, "value", variable)
@@ -588,7 +596,14 @@ class _Runner:
             value = _loss_value(self.loss, y, y_pred)
             if model.losses:
                 value = value + tf.cast(tf.add_n(model.losses), tf.float32)
-            local = value / self.replicas
+            if self.replicas > 1:
+                # This replica's share of the batch mean: its examples' total, which
+                # _compute divides by the global batch size (replicas may get unequal
+                # parts of a batch, or an empty one at the end of a worker's data).
+                count = _batch_size(y)
+                local = tf.where(count > 0, value * count, tf.zeros_like(value))
+            else:
+                local = value
             scaled = local * scale if self.loss_scaler is not None else local
         gradients = tape.gradient(scaled, self.variables)
         if self.loss_scaler is not None:
@@ -610,11 +625,17 @@ class _Runner:
         if self.replicas > 1:
             gradients = [None if g is None else tf.convert_to_tensor(g) for g in gradients]
             context = tf.distribute.get_replica_context()
-            reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, [loss] + [gradients[i] for i in self.present])
-            loss = reduced[0]
+            reduced = context.all_reduce(
+                tf.distribute.ReduceOp.SUM, [loss, _batch_size(y)] + [gradients[i] for i in self.present]
+            )
+            # The global batch size; the max() only matters for a batch that is empty on
+            # every replica, which the dataset iterator does not produce.
+            inverse = 1.0 / tf.maximum(reduced[1], 1.0)
+            loss = reduced[0] * inverse
+            gradients = [_scale_gradient(g, inverse) for g in gradients]
             total = [None] * len(gradients)
-            for i, g in zip(self.present, reduced[1:]):
-                total[i] = g
+            for i, g in zip(self.present, reduced[2:]):
+                total[i] = g * inverse
         else:
             total = gradients
         norm = _global_norm(total)
@@ -859,8 +880,16 @@ class _TrainingCheckpoint:
     ``tf.train.CheckpointManager`` that keeps the last two.
     """
 
-    def __init__(self, directory, model, optimizer) -> None:
+    def __init__(self, directory, model, optimizer, cluster: "_Cluster | None" = None) -> None:
         self.directory = os.fspath(directory)
+        # Under a multi-worker strategy every worker saves (saving may run collective
+        # ops), but only the chief writes to ``directory``; the others write to a
+        # directory of their own, deleted after each save (as TensorFlow's multi-worker
+        # tutorial does). Every worker restores from ``directory``.
+        self.scratch = None
+        if cluster is not None and not cluster.is_chief:
+            self.scratch = os.path.join(self.directory, f".worker-{cluster.task_id}-tmp")
+            _remove_tree(self.scratch)  # left by a worker that died while saving
         self.loop = _LoopState()
         self.checkpoint = tf.train.Checkpoint(
             model=model,
@@ -888,7 +917,163 @@ class _TrainingCheckpoint:
     def save(self, epochs_done: int, history: TrainingHistory) -> None:
         self.loop.epochs_done = epochs_done
         self.loop.history = history
-        self.manager.save(checkpoint_number=epochs_done)
+        if self.scratch is None:
+            self.manager.save(checkpoint_number=epochs_done)
+        else:
+            tf.train.CheckpointManager(self.checkpoint, self.scratch, max_to_keep=1).save(checkpoint_number=epochs_done)
+            _remove_tree(self.scratch)
+
+    @property
+    def latest(self) -> str | None:
+        """Path prefix of the latest checkpoint in the directory, if any."""
+        return self.manager.latest_checkpoint
+
+
+def _remove_tree(path: str) -> None:
+    if tf.io.gfile.exists(path):
+        tf.io.gfile.rmtree(path)
+
+
+# --------------------------------------------------------------------------------------
+# Several workers: MultiWorkerMirroredStrategy
+# --------------------------------------------------------------------------------------
+
+
+class WorkerLostError(RuntimeError):
+    """A worker of a multi-worker run lost a peer, so training stopped on this worker.
+
+    Raised by :func:`train` under ``tf.distribute.MultiWorkerMirroredStrategy`` when a
+    collective operation fails because another worker crashed, was stopped, became
+    unreachable, or did not reach the collective within the strategy's collective
+    timeout. TensorFlow then aborts every collective op of the process, so it cannot go
+    on: restart all workers. With ``checkpoint_dir`` they resume after the last
+    completed epoch; a failure during an epoch does not touch the checkpoints already
+    written.
+
+    Attributes:
+        task: this worker's task, e.g. ``"worker 1"``.
+        peers: the tasks TensorFlow named as the cause, e.g. ``("/job:worker/replica:0/task:0",)``
+            (empty if it did not say, as for a timeout).
+        epoch: index (0-based) of the epoch that was running.
+        checkpoint: the latest checkpoint in ``checkpoint_dir`` (where a restart resumes),
+            or ``None``.
+        history: the :class:`TrainingHistory` up to the last steps that completed.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        task: str,
+        peers: tuple[str, ...],
+        epoch: int,
+        checkpoint: str | None,
+        history: TrainingHistory,
+    ) -> None:
+        super().__init__(message)
+        self.task = task
+        self.peers = tuple(peers)
+        self.epoch = epoch
+        self.checkpoint = checkpoint
+        self.history = history
+
+
+def _error_summary(text: str) -> str:
+    """The line of a TensorFlow error message that says what happened."""
+    text = re.sub(r"\{\{function_node [^}]*\}\}\s*", "", text)
+    aborted = re.search(r"Collective ops is aborted by: (.+)", text)
+    if aborted:
+        return aborted.group(1).strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in lines:
+        if re.search(r"unhealthy|timed out|reset by peer|refused|Socket closed|is down|unavailable", line, re.I):
+            return line
+    return lines[0] if lines else ""
+
+
+#: Errors a collective op raises when a peer is gone (crashed, unreachable, timed out).
+_PEER_FAILURES = (
+    tf.errors.UnavailableError,
+    tf.errors.DeadlineExceededError,
+    tf.errors.CancelledError,
+    tf.errors.AbortedError,
+)
+
+
+class _Cluster:
+    """The workers of a multi-worker strategy, as :func:`train` sees them."""
+
+    def __init__(self, strategy: tf.distribute.Strategy) -> None:
+        resolver = strategy.cluster_resolver
+        self.strategy = strategy
+        self.task_type = resolver.task_type
+        self.task_id = int(resolver.task_id)
+        spec = resolver.cluster_spec()
+        self.workers = sum(spec.num_tasks(job) for job in spec.jobs if job in ("chief", "worker"))
+        self.is_chief = bool(strategy.extended.should_checkpoint)
+        self._gather = None
+
+    @classmethod
+    def of(cls, strategy: tf.distribute.Strategy) -> "_Cluster | None":
+        """The cluster of ``strategy``, or ``None`` if it runs in this process only."""
+        in_multi_worker_mode = getattr(strategy.extended, "_in_multi_worker_mode", None)
+        if in_multi_worker_mode is None or not in_multi_worker_mode():
+            return None
+        return cls(strategy)
+
+    @property
+    def task(self) -> str:
+        return f"{self.task_type} {self.task_id}"
+
+    def gather(self, *values: float) -> np.ndarray:
+        """``values`` of every replica, one row per replica (one small all-reduce)."""
+        if self._gather is None:
+
+            def gather(value):
+                # An all-reduce of one row per replica, zeros elsewhere: exact, and it
+                # works on values that live on no particular device, unlike all_gather.
+                context = tf.distribute.get_replica_context()
+                rows = tf.one_hot(context.replica_id_in_sync_group, context.num_replicas_in_sync)[:, None]
+                return context.all_reduce(tf.distribute.ReduceOp.SUM, rows * value[None, :])
+
+            self._gather = tf.function(lambda value: self.strategy.run(gather, args=(value,)), autograph=False)
+        result = self._gather(tf.constant(values, tf.float32))
+        return self.strategy.experimental_local_results(result)[0].numpy()
+
+    def lost(self, error: Exception, epoch: int, history: TrainingHistory, checkpoint) -> WorkerLostError:
+        """The :class:`WorkerLostError` for a collective that failed with ``error``."""
+        text = str(error)
+        peers = tuple(dict.fromkeys(re.findall(r"/job:\w+/replica:\d+/task:\d+", text)))
+        if isinstance(error, tf.errors.DeadlineExceededError) or "timed out" in text:
+            cause = (
+                "a collective operation timed out (the timeout_seconds of the strategy's communication_options): "
+                "a peer is gone or stuck"
+            )
+        elif "heartbeat" in text:
+            cause = f"the coordination service stopped receiving heartbeats from {', '.join(peers) or 'a peer'}"
+        else:
+            cause = f"{', '.join(peers) or 'a peer'} is unreachable"
+        latest = checkpoint.latest if checkpoint is not None else None
+        if latest is not None:
+            resume = (
+                f"restart all workers with the same checkpoint_dir to resume from {latest!r} "
+                f"(after epoch {int(latest.rsplit('-', 1)[-1])})"
+            )
+        elif checkpoint is not None:
+            resume = "restart all workers; no epoch had completed, so training starts again from the beginning"
+        else:
+            resume = "restart all workers (pass checkpoint_dir to resume after the last completed epoch)"
+        first_line = _error_summary(text) or type(error).__name__
+        return WorkerLostError(
+            f"{self.task} of {self.workers} lost a peer during epoch {epoch + 1}: {cause} "
+            f"({type(error).__name__}: {first_line[:300]}). TensorFlow aborted this process's collective "
+            f"operations, so training cannot continue here; {resume}.",
+            task=self.task,
+            peers=peers,
+            epoch=epoch,
+            checkpoint=latest,
+            history=history,
+        )
 
 
 # --------------------------------------------------------------------------------------
@@ -928,12 +1113,38 @@ def train(
     Distribution: under a ``tf.distribute`` strategy each replica computes its
     gradients, they are summed across replicas with an all-reduce, and the finiteness
     test is made on the sum, so a NaN on any replica skips the step on all of them.
-    The model and optimizer must be created under ``strategy.scope()``.
+    The model and optimizer must be created under ``strategy.scope()``. ``dataset``
+    yields *global* batches, which the strategy splits between the replicas; the loss
+    is the mean over the global batch even when the parts are unequal (a batch of 8 on
+    3 replicas is split 3 + 3 + 2).
 
-    XLA: with one replica the step is compiled with XLA (as one function, or for models
-    of 2**20 parameters or more as two, forward-and-test and update, so that the update
-    stays in place); with several replicas the forward and backward pass are (the
-    all-reduce and the conditional update run as a TensorFlow graph). If compilation
+    Several machines: under ``tf.distribute.MultiWorkerMirroredStrategy`` every worker
+    runs the same script (``TF_CONFIG`` tells it the cluster and its own index; see
+    :mod:`companion.launch`) and calls ``train`` with the same arguments. The skip
+    decision, the history and the weights are then identical on every worker, and
+    ``NonFiniteError`` is raised on all of them. The dataset is sharded by
+    ``tf.data``'s auto-shard policy (``AUTO``: by file if the dataset reads files, else
+    by data, in which each worker reads every batch and keeps its part of it; set
+    ``tf.data.Options().experimental_distribute.auto_shard_policy`` to choose). With a
+    known number of batches every worker runs that many steps per epoch. Only the chief
+    (worker 0) shows a progress bar and writes ``checkpoint_dir``; the other workers
+    save to a directory of their own inside it, deleted right after (saving may run
+    collective ops, so all workers must take part), and every worker restores from
+    ``checkpoint_dir``, which must therefore be visible to all of them (a shared file
+    system or bucket). If a peer dies or stops responding, the collective op that waits
+    for it fails (the coordination service notices a crashed worker within about ten
+    seconds; ``tf.distribute.experimental.CommunicationOptions(timeout_seconds=...)``
+    bounds how long any collective may wait, and must then be longer than the longest
+    pause of a worker between two steps, such as the first step's compilation or a
+    checkpoint), and ``train`` raises :class:`WorkerLostError` on every surviving
+    worker; the checkpoints already written are intact.
+
+    XLA: with one replica the whole step is one XLA function, the update included: each
+    of its writes selects between the new and the old value, so a skipped step writes
+    back what was there (an optimizer whose update cannot be written so gets a
+    conditional update instead, see the module's docstring); with several replicas the
+    forward and backward pass are compiled (the all-reduce and the conditional update
+    run as a TensorFlow graph). If compilation
     fails (an op without an XLA kernel, such as ``tf.py_function``), the first step is
     rerun without XLA and a warning says so; ``history.xla`` tells which way it ran.
 
@@ -985,7 +1196,7 @@ def train(
             right there, so the weights are exactly those of the last good step.
         checkpoint_dir: directory for epoch-end checkpoints, or ``None``.
         verbose: 0 prints nothing, 1 shows a :class:`keras.utils.Progbar` per epoch,
-            2 prints one line per epoch.
+            2 prints one line per epoch (on the chief only, with several workers).
 
     Returns:
         A :class:`TrainingHistory` with the loss, gradient norm and finiteness of every
@@ -1002,6 +1213,8 @@ def train(
             under the strategy's scope, or ``checkpoint_dir`` holds a checkpoint of
             another model. All of these are raised before any step runs.
         NonFiniteError: see ``on_nonfinite`` and ``max_consecutive_nonfinite``.
+        WorkerLostError: under a multi-worker strategy, when another worker crashed or
+            stopped responding (see *Several machines* above).
 
     Example:
         >>> model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
@@ -1112,21 +1325,40 @@ def _train(
             optimizer.build(model.trainable_variables)
 
     # ---- resume ------------------------------------------------------------------------
+    cluster = _Cluster.of(strategy)
+    if cluster is not None and not cluster.is_chief:
+        verbose = 0  # one progress bar, the chief's
     history = TrainingHistory()
     start_epoch = 0
     checkpoint = None
     if checkpoint_dir is not None:
-        checkpoint = _TrainingCheckpoint(checkpoint_dir, model, optimizer)
+        checkpoint = _TrainingCheckpoint(checkpoint_dir, model, optimizer, cluster)
         restored = checkpoint.restore()
         if restored is not None:
             start_epoch, history = restored
+    if cluster is not None:
+        try:
+            restored_epochs = sorted({int(v) for v in cluster.gather(start_epoch)[:, 0]})
+        except _PEER_FAILURES as error:
+            raise cluster.lost(error, start_epoch, history, checkpoint) from error
+        if len(restored_epochs) > 1:
+            raise ValueError(
+                f"the workers restored different checkpoints from {checkpoint_dir!r} (after epochs "
+                f"{restored_epochs}; {cluster.task} after epoch {start_epoch}): every worker must see the chief's "
+                "checkpoint_dir, e.g. on a shared file system"
+            )
     consecutive = history.trailing_nonfinite()
     limit = 1 if on_nonfinite == "raise" else max_consecutive_nonfinite
 
     runner = _runner_for(model, loss, optimizer, strategy, jit=jit_compile, clip=clip_global_norm, guard=guard)
-    distributed = strategy.experimental_distribute_dataset(dataset)
     steps_per_epoch = int(dataset.cardinality())
     known_length = steps_per_epoch > 0
+    # Under a multi-worker strategy a new iterator costs a good fraction of a second, so
+    # with a known number of batches one iterator over the repeated dataset serves every
+    # epoch (each takes its batches from it; a shuffle still reshuffles per epoch).
+    shared = cluster is not None and known_length
+    distributed = strategy.experimental_distribute_dataset(dataset.repeat() if shared else dataset)
+    shared_iterator = iter(distributed) if shared else None
     target = steps_per_epoch if known_length else None
     loss_scaled = runner.loss_scaler is not None
 
@@ -1138,7 +1370,7 @@ def _train(
             if verbose
             else None
         )
-        iterator = iter(distributed)
+        iterator = shared_iterator if shared else iter(distributed)
         epoch_start = history.steps
         applied_losses: list[float] = []
         done = False
@@ -1157,6 +1389,8 @@ def _train(
                 )
                 continue
             except tf.errors.OpError as error:
+                if cluster is not None and isinstance(error, _PEER_FAILURES):
+                    raise cluster.lost(error, epoch, history, checkpoint) from error
                 if runner.jit and not runner.verified and _looks_like_xla_failure(error):
                     warnings.warn(
                         f"XLA could not compile the training step ({_xla_failure_summary(error)}); "
@@ -1169,9 +1403,17 @@ def _train(
                         model, loss, optimizer, strategy, jit=False, clip=clip_global_norm, guard=guard
                     )
                     iterator = iter(distributed)  # the failed call may have consumed a batch
+                    if shared:
+                        shared_iterator = iterator
                     continue
                 raise
             elapsed = time.perf_counter() - started
+            if cluster is not None:
+                # Every worker must ask for the same number of steps per call.
+                try:
+                    elapsed = float(cluster.gather(elapsed).max())
+                except _PEER_FAILURES as error:
+                    raise cluster.lost(error, epoch, history, checkpoint) from error
             runner.verified = True
             history.xla = runner.jit
 
@@ -1248,7 +1490,12 @@ def _train(
         if bar is not None:
             bar.update(epoch_steps, values=_bar_values(history, epoch_start, applied_losses), finalize=True)
         if checkpoint is not None:
-            checkpoint.save(epoch + 1, history)
+            try:
+                checkpoint.save(epoch + 1, history)
+            except _PEER_FAILURES as error:
+                if cluster is None:
+                    raise
+                raise cluster.lost(error, epoch, history, checkpoint) from error
     return history
 
 

@@ -1,0 +1,273 @@
+"""companion.training.train under MultiWorkerMirroredStrategy, and the launcher companion.launch.
+
+Every scenario starts real worker processes on 127.0.0.1 (free ports, ``TF_CONFIG`` set by
+:func:`companion.launch.launch`); nothing leaves the loopback interface. Each worker runs
+tests/multiworker_worker.py and writes what it saw to a JSON file. A TensorFlow import
+takes seconds, so each launch runs several checks: a two-worker run (clean, poisoned, and
+``on_nonfinite="raise"``), a three-worker clean run, and a two-worker run in which worker
+1 kills itself mid-epoch, followed by a restart that resumes from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from companion.launch import cluster_spec, free_ports, launch, main, tf_config
+
+WORKER = pathlib.Path(__file__).with_name("multiworker_worker.py")
+ENV = {"CUDA_VISIBLE_DEVICES": "", "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONHASHSEED": "0"}
+#: Collective timeout of the worker-loss scenario, and the bound on the survivor's exit.
+COLLECTIVE_TIMEOUT = 15.0
+SURVIVOR_EXIT_BOUND = 30.0
+
+
+def run_workers(directory: pathlib.Path, scenario: str, workers: int, *args: str):
+    out = directory / f"{scenario}-{workers}"
+    out.mkdir()
+    result = launch(
+        WORKER, workers, ["--out", str(out), "--scenario", scenario, *args], timeout=150, grace=60, env=ENV
+    )
+    reports = {}
+    for index in range(workers):
+        path = out / f"{scenario}-worker-{index}.json"
+        if path.exists():
+            reports[index] = json.loads(path.read_text())
+    return result, reports
+
+
+def failure(result) -> str:
+    return "\n".join(f"--- worker {w.index} (exit {w.returncode}):\n{w.output[-3000:]}" for w in result.workers)
+
+
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory) -> dict:
+    result, reports = run_workers(tmp_path_factory.mktemp("two"), "main", 2)
+    assert result.ok, failure(result)
+    return reports
+
+
+@pytest.fixture(scope="module")
+def three_workers(tmp_path_factory) -> dict:
+    result, reports = run_workers(tmp_path_factory.mktemp("three"), "clean", 3)
+    assert result.ok, failure(result)
+    return reports
+
+
+@pytest.fixture(scope="module")
+def killed_then_resumed(tmp_path_factory) -> dict:
+    directory = tmp_path_factory.mktemp("killed")
+    checkpoints = directory / "checkpoints"
+    # Each worker's input pipeline reads all 8 global batches per epoch (data sharding):
+    # batch 20 is batch 4 of epoch 3, after the checkpoint of epoch 2.
+    died, died_reports = run_workers(
+        directory, "die", 2, "--checkpoint-dir", str(checkpoints), "--die-worker", "1", "--die-at-batch", "20",
+        "--collective-timeout", str(COLLECTIVE_TIMEOUT),
+    )
+    files_after_death = sorted(os.listdir(checkpoints))
+    resumed, resumed_reports = run_workers(directory, "resume", 2, "--checkpoint-dir", str(checkpoints))
+    return {
+        "died": died,
+        "died_reports": died_reports,
+        "files_after_death": files_after_death,
+        "resumed": resumed,
+        "resumed_reports": resumed_reports,
+    }
+
+
+# --------------------------------------------------------------------------------------
+# Training on several workers
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_every_worker_ends_with_identical_weights_and_history(two_workers):
+    first, second = two_workers[0], two_workers[1]
+    assert first["replicas"] == second["replicas"] == 2
+    assert first["clean"] == second["clean"]  # weights, history (as JSON), iteration count
+    assert first["clean"]["iterations"] == 4 * 8
+
+
+@pytest.mark.slow
+def test_two_workers_train_like_one_process_on_the_same_global_batches(two_workers):
+    import keras
+    import tensorflow as tf
+
+    from companion.training import TrainingHistory, train
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 3)).astype("float32")
+    y = (x @ np.array([[1.0], [2.0], [-1.0]], "float32")).astype("float32")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+    history = train(
+        model, tf.data.Dataset.from_tensor_slices((x, y)).batch(8), loss="mse",
+        optimizer=keras.optimizers.Adam(0.05), epochs=4, verbose=0, jit_compile=False,
+    )
+    workers = TrainingHistory.from_json(two_workers[0]["clean"]["history"])
+    np.testing.assert_allclose(workers.step_loss, history.step_loss, rtol=1e-4, atol=1e-6)
+    for got, expected in zip(two_workers[0]["clean"]["weights"], model.get_weights()):
+        np.testing.assert_allclose(np.array(got), expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_three_workers_with_unequal_parts_of_each_batch_agree(three_workers, two_workers):
+    reports = [three_workers[i] for i in range(3)]
+    assert reports[0]["replicas"] == 3
+    assert reports[0]["clean"] == reports[1]["clean"] == reports[2]["clean"]
+    # A batch of 8 is split 3 + 3 + 2; the loss is still the mean over the 8 examples,
+    # so the result is that of two workers (4 + 4), up to rounding.
+    for got, expected in zip(reports[0]["clean"]["weights"], two_workers[0]["clean"]["weights"]):
+        np.testing.assert_allclose(np.array(got), np.array(expected), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_nan_on_one_worker_skips_the_step_on_every_worker(two_workers):
+    from companion.training import TrainingHistory
+
+    first, second = two_workers[0], two_workers[1]
+    assert first["nan_in_my_part"] == [False, False] and second["nan_in_my_part"] == [False, True]
+    assert first["poisoned"] == second["poisoned"]
+    assert first["poisoned"]["xla"] is True  # the forward and backward pass compile under MWMS on CPU
+    history = TrainingHistory.from_json(first["poisoned"]["history"])
+    assert history.skipped == [1, 9]
+    assert first["poisoned"]["iterations"] == 2 * 8 - 2
+    assert all(np.isfinite(np.array(w)).all() for w in first["poisoned"]["weights"])
+    assert "dense" in history.reports[0].gradients[0].path
+
+
+@pytest.mark.slow
+def test_nonfinite_error_is_raised_on_every_worker(two_workers):
+    first, second = two_workers[0]["raised"], two_workers[1]["raised"]
+    assert first is not None and first == second
+    assert (first["step"], first["epoch"], first["iterations"]) == (1, 0, 1)
+    assert "on_nonfinite='raise'" in first["message"]
+
+
+# --------------------------------------------------------------------------------------
+# Losing a worker, and resuming
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_killed_worker_makes_the_survivor_exit_with_a_clear_error_in_bounded_time(killed_then_resumed):
+    result = killed_then_resumed["died"]
+    survivor, killed = result.workers
+    assert killed.returncode == -9, failure(result)  # SIGKILL: no clean-up at all
+    assert survivor.returncode == 1 and not survivor.stopped, failure(result)  # exited by itself
+    assert survivor.seconds - killed.seconds < SURVIVOR_EXIT_BOUND
+    assert "WorkerLostError: worker 0 of 2 lost a peer during epoch 3" in survivor.output
+    lost = killed_then_resumed["died_reports"][0]["lost"]
+    assert lost["epoch"] == 2 and lost["checkpoint"].endswith("ckpt-2")
+    assert lost["cause"] in ("UnavailableError", "DeadlineExceededError", "CancelledError", "AbortedError")
+    assert "restart all workers with the same checkpoint_dir to resume from" in lost["message"]
+    # The checkpoints of epochs 1 and 2 are intact, and no worker's scratch directory is left.
+    files = killed_then_resumed["files_after_death"]
+    assert "ckpt-2.index" in files and "checkpoint" in files
+    assert not [f for f in files if f.startswith(".worker")]
+
+
+@pytest.mark.slow
+def test_restarted_workers_resume_after_the_last_completed_epoch(killed_then_resumed, two_workers):
+    result = killed_then_resumed["resumed"]
+    assert result.ok, failure(result)
+    first, second = killed_then_resumed["resumed_reports"][0], killed_then_resumed["resumed_reports"][1]
+    # Epochs 3 and 4 only: 32 optimizer steps in all, and this run's input pipeline read
+    # 2 x 8 batches (plus what it prefetched of the next pass), not 4 x 8.
+    assert first["iterations"] == second["iterations"] == 4 * 8
+    assert 2 * 8 <= first["batches_read"] < 3 * 8 and 2 * 8 <= second["batches_read"] < 3 * 8
+    assert first["weights"] == second["weights"] and first["history"] == second["history"]
+    # Bit for bit the uninterrupted run of the same data.
+    assert first["weights"] == two_workers[0]["clean"]["weights"]
+    assert first["history"] == two_workers[0]["clean"]["history"]
+    assert "ckpt-4.index" in first["files"] and not [f for f in first["files"] if f.startswith(".worker")]
+
+
+# --------------------------------------------------------------------------------------
+# The launcher (no TensorFlow in the workers: fast)
+# --------------------------------------------------------------------------------------
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys, time
+    config = json.loads(os.environ["TF_CONFIG"])
+    index = config["task"]["index"]
+    print("cluster", ",".join(config["cluster"]["worker"]), "index", index, "args", " ".join(sys.argv[1:]))
+    mode = sys.argv[1] if len(sys.argv) > 1 else "ok"
+    if mode == "fail" and index == 1:
+        sys.exit(3)
+    if mode in ("fail", "sleep"):
+        time.sleep(60)
+    """
+)
+
+
+@pytest.fixture()
+def script(tmp_path) -> pathlib.Path:
+    path = tmp_path / "worker.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+def test_launch_gives_every_worker_its_tf_config(script):
+    result = launch(script, 3, ["ok", "x y"], timeout=30)
+    assert result.ok and result.returncodes == [0, 0, 0] and result.returncode == 0
+    addresses = result.cluster["worker"]
+    assert len(set(addresses)) == 3 and all(a.startswith("127.0.0.1:") for a in addresses)
+    for worker in result.workers:
+        assert worker.output == f"cluster {','.join(addresses)} index {worker.index} args ok x y\n"
+
+
+def test_a_failing_worker_fails_the_launch_and_the_others_are_stopped_after_the_grace_period(script):
+    result = launch(script, 2, ["fail"], timeout=30, grace=0.5)
+    assert result.returncodes[1] == 3 and not result.workers[1].stopped
+    assert result.workers[0].stopped and result.workers[0].returncode != 0
+    assert result.returncode == 3 and result.first_failure.index == 1
+    assert result.seconds < 10
+
+
+def test_the_timeout_stops_every_worker(script):
+    result = launch(script, 2, ["sleep"], timeout=1)
+    assert result.timed_out and not result.ok and result.returncode == 124
+    assert all(w.stopped for w in result.workers) and result.seconds < 10
+
+
+def test_command_line_prefixes_output_and_returns_the_exit_code(script, capsys):
+    assert main(["--workers", "2", str(script), "ok"]) == 0
+    out = capsys.readouterr().out
+    assert "[worker 0] cluster" in out and "[worker 1] cluster" in out
+    assert main(["--workers", "2", "--grace", "0.5", str(script), "fail"]) == 3
+
+
+def test_launch_rejects_bad_input(script, tmp_path):
+    with pytest.raises(ValueError, match="workers must be >= 1, got 0"):
+        launch(script, 0)
+    with pytest.raises(TypeError, match="workers must be an int"):
+        launch(script, 2.0)
+    with pytest.raises(FileNotFoundError, match="script not found"):
+        launch(tmp_path / "missing.py", 2)
+    with pytest.raises(TypeError, match="args must be a sequence of strings"):
+        launch(script, 2, "--epochs 3")
+    with pytest.raises(ValueError, match="timeout must be a number >= 0"):
+        launch(script, 2, timeout=-1)
+    with pytest.raises(ValueError, match="ports must hold 2 distinct ports"):
+        launch(script, 2, ports=[5000, 5000])
+    with pytest.raises(SystemExit):
+        main(["--workers", "0", str(script)])
+
+
+def test_tf_config_and_cluster_spec():
+    ports = free_ports(2)
+    cluster = cluster_spec(2, ports=ports)
+    assert cluster == {"worker": [f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"]}
+    assert json.loads(tf_config(cluster, 1)) == {"cluster": cluster, "task": {"type": "worker", "index": 1}}
+    with pytest.raises(ValueError, match="index must be an int in 0..1"):
+        tf_config(cluster, 2)
+    with pytest.raises(ValueError, match="no 'chief' job"):
+        tf_config(cluster, 0, task_type="chief")
