@@ -441,8 +441,9 @@ class _UnmaskableUpdate(Exception):
 
 
 #: Stateful ops an update traced under ``_masked_writes`` may contain: reads, and the
-#: masked assignments the context emits itself (each one counted).
-_MASKABLE_STATEFUL_OPS = frozenset({"ReadVariableOp", "VarHandleOp", "AssignVariableOp"})
+#: masked assignments the context emits itself (each one counted). Anything else, a
+#: variable created during the update included, makes the loop use a conditional update.
+_MASKABLE_STATEFUL_OPS = frozenset({"ReadVariableOp", "AssignVariableOp"})
 
 
 class _masked_writes:

@@ -160,6 +160,31 @@ def test_skipped_step_leaves_weights_and_optimizer_state_unchanged(mode, make_op
     assert runner_modes(poisoned_model) == modes
 
 
+#: One optimizer per kind of update code in Keras (momentum, centred second moments,
+#: weight decay and clipping, sign updates, factored moments, FTRL's own accumulators).
+KERAS_OPTIMIZERS = {
+    "SGD-nesterov": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
+    "RMSprop-centered": lambda: keras.optimizers.RMSprop(0.01, momentum=0.9, centered=True),
+    "AdamW-clipnorm": lambda: keras.optimizers.AdamW(0.01, clipnorm=1.0),
+    "Lion": lambda: keras.optimizers.Lion(0.01),
+    "Adafactor": lambda: keras.optimizers.Adafactor(0.01),
+    "Ftrl": lambda: keras.optimizers.Ftrl(0.1),
+}
+
+
+@pytest.mark.parametrize("make_optimizer", KERAS_OPTIMIZERS.values(), ids=KERAS_OPTIMIZERS.keys())
+def test_every_keras_optimizer_is_masked_and_a_skip_leaves_its_state_bit_identical(make_optimizer):
+    poisoned_model, poisoned_opt = make_model(batch_norm=True), make_optimizer()
+    clean_model, clean_opt = make_model(batch_norm=True), make_optimizer()
+    data = make_dataset(poisoned=[1], n_batches=2)
+    history = train(poisoned_model, data, loss="mse", optimizer=poisoned_opt, verbose=0)
+    train(clean_model, data.take(1), loss="mse", optimizer=clean_opt, verbose=0)
+
+    assert runner_modes(poisoned_model) == ["masked"]
+    assert history.skipped == [1]
+    assert_bit_identical(state_of(poisoned_model, poisoned_opt), state_of(clean_model, clean_opt))
+
+
 def test_nonfinite_error_after_consecutive_skips_leaves_last_good_state_bit_identical():
     good = make_dataset().take(3)
     bad = make_dataset(poisoned=range(N_BATCHES)).skip(3)
