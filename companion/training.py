@@ -41,6 +41,7 @@ all-reduce per call, since their collective ops must match step for step). This 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import functools
 import json
@@ -535,6 +536,11 @@ class _Runner:
         self.clip = clip
         self.guard = guard
         self.variables = list(model.trainable_variables)
+        # Several replicas: the update gets the gradients the step summed (and tested),
+        # when the optimizer's own all-reduce can be switched off (_summed_gradients).
+        self.presummed = self.replicas > 1 and callable(
+            getattr(type(self.inner), "_all_reduce_sum_gradients", None)
+        )
         # Variables the forward pass may change (batch-norm statistics, dropout seeds):
         # restored on a skipped step.
         self.state = list(model.non_trainable_variables) if guard else []
@@ -633,10 +639,12 @@ class _Runner:
             # every replica, which the dataset iterator does not produce.
             inverse = 1.0 / tf.maximum(reduced[1], 1.0)
             loss = reduced[0] * inverse
-            gradients = [_scale_gradient(g, inverse) for g in gradients]
             total = [None] * len(gradients)
             for i, g in zip(self.present, reduced[2:]):
                 total[i] = g * inverse
+            # The update uses the summed gradients (see _summed_gradients), or, if this
+            # Keras has no way to say they are summed, this replica's share to be summed.
+            gradients = total if self.presummed else [_scale_gradient(g, inverse) for g in gradients]
         else:
             total = gradients
         norm = _global_norm(total)
@@ -654,7 +662,7 @@ class _Runner:
             clipped = [_scale_gradient(g, factor) for g in gradients]
         # The skipped branch counts NaN and Inf entries in the (summed, unclipped)
         # gradients; without clipping and with one replica those are the same tensors.
-        if self.guard and (self.clip is not None or self.replicas > 1):
+        if self.guard and (self.clip is not None or (self.replicas > 1 and not self.presummed)):
             unclipped = [total[i] for i in self.present]
         else:
             unclipped = []
@@ -662,6 +670,23 @@ class _Runner:
 
     def _apply(self, gradients):
         self.inner.apply(list(gradients), [self.variables[i] for i in self.present])
+
+    @contextlib.contextmanager
+    def _summed_gradients(self):
+        """While tracing the update: tell the optimizer its gradients are summed already.
+
+        Keras' TensorFlow optimizers all-reduce the gradients inside ``apply``; the step
+        has summed them across replicas for the finiteness test, and a second all-reduce
+        would double the traffic between devices or machines for the same numbers.
+        """
+        if not self.presummed:
+            yield
+            return
+        self.inner._all_reduce_sum_gradients = list  # the pairs, unchanged
+        try:
+            yield
+        finally:
+            del self.inner._all_reduce_sum_gradients
 
     def _grow_loss_scale(self):
         scaler = self.loss_scaler
@@ -706,7 +731,8 @@ class _Runner:
             return _nonfinite_counts(total)
 
         def apply():
-            self.strategy.run(self.apply_fn, args=(gradients,))
+            with self._summed_gradients():
+                self.strategy.run(self.apply_fn, args=(gradients,))
             if self.loss_scaler is not None:
                 self._grow_loss_scale()
             return no_counts

@@ -105,6 +105,22 @@ MIRRORED_SCRIPT = textwrap.dedent(
     result["fit_iterations"] = int(fit_model.optimizer.iterations.numpy())
     result["fit_finite"] = all(np.isfinite(a).all() for v in fit_model.variables for a in replica_values(v))
 
+    # The update uses the gradients of the global batch, summed once: with SGD (whose step
+    # is proportional to the gradient, unlike Adam's) two replicas equal one device.
+    def sgd_weights(strategy_or_none, **options):
+        keras.utils.set_random_seed(0)
+        with (strategy_or_none or tf.distribute.get_strategy()).scope():
+            model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)])
+            optimizer = keras.optimizers.SGD(0.05, momentum=0.5)
+        train(model, clean, loss="mse", optimizer=optimizer, epochs=2, strategy=strategy_or_none, verbose=0,
+              jit_compile=False, **options)
+        return np.concatenate([w.ravel() for w in model.get_weights()])
+
+    result["sgd_difference"] = float(np.abs(sgd_weights(strategy) - sgd_weights(None)).max())
+    result["sgd_clipped_difference"] = float(
+        np.abs(sgd_weights(strategy, clip_global_norm=0.5) - sgd_weights(None, clip_global_norm=0.5)).max()
+    )
+
     # A model created outside the scope is refused before any step.
     keras.utils.set_random_seed(0)
     outside = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
@@ -153,6 +169,14 @@ def test_mirrored_fit_with_skip_nonfinite(mirrored_result):
     assert mirrored_result["fit_skipped"] == 2
     assert mirrored_result["fit_iterations"] == 2 * (8 - 1)
     assert mirrored_result["fit_finite"]
+
+
+@pytest.mark.slow
+def test_mirrored_update_equals_one_device_with_and_without_clipping(mirrored_result):
+    # A gradient summed twice (once for the finiteness test, once more by the optimizer)
+    # would make these steps twice as long: differences of order 0.1, not 1e-6.
+    assert mirrored_result["sgd_difference"] < 1e-5
+    assert mirrored_result["sgd_clipped_difference"] < 1e-5
 
 
 @pytest.mark.slow
