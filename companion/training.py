@@ -488,7 +488,6 @@ class _masked_writes:
                     return original(resource, value, *args, **kwargs)
                 old = read(resource, value.dtype)
                 self.count += 1
-                kwargs.pop("validate_shape", None)
                 return assign(resource, tf.where(self.apply, combine(old, value), old), *args, **kwargs)
 
             return masked
