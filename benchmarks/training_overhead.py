@@ -7,7 +7,7 @@ Prints, from alternating runs in one process (medians of several repeats):
    a small MLP (where per-step overhead dominates; target ratio <= 0.5) and a
    compute-bound MLP (where the matrix products dominate; target <= 1.05);
 2. ``train`` with its finiteness guard on against the same loop with the guard off
-   (``companion.training._train(..., guard=False)``, an internal switch that exists for
+   (``train(..., on_nonfinite="ignore")``, which applies every step unchecked, as ``fit`` does; it exists for
    this measurement); target <= 1.03.
 
 Each configuration is compiled once before timing (``train`` keeps its compiled step
@@ -41,7 +41,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from companion.training import _train  # noqa: E402
+from companion.training import train  # noqa: E402
 
 
 def make_data(n: int, features: int, batch: int) -> tf.data.Dataset:
@@ -84,9 +84,9 @@ def compare(name: str, data, features: int, width: int, depth: int, epochs: int,
         "fit": lambda: fit_model.fit(
             data, epochs=epochs, verbose=0, shuffle=False, callbacks=[keras.callbacks.TerminateOnNaN()]
         ),
-        "train": lambda: _train(guarded_model, data, loss=loss, optimizer=guarded_opt, epochs=epochs, verbose=0),
-        "train_unguarded": lambda: _train(
-            open_model, data, loss=loss, optimizer=open_opt, epochs=epochs, verbose=0, guard=False
+        "train": lambda: train(guarded_model, data, loss=loss, optimizer=guarded_opt, epochs=epochs, verbose=0),
+        "train_unguarded": lambda: train(
+            open_model, data, loss=loss, optimizer=open_opt, epochs=epochs, verbose=0, on_nonfinite="ignore"
         ),
     }
     for run in runs.values():  # compile, and let train() settle its steps per host call

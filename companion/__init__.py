@@ -8,6 +8,8 @@ Submodules:
     numerics: numerically safe tensor functions (e.g. :func:`companion.numerics.double_where`).
     notebook: one-call set-up for the book's chapters.
     training: :func:`companion.training.train`, a training loop that survives NaN.
+    optimizers: :class:`companion.optimizers.SkipNonFinite`, the same skip for ``model.fit``.
+    losses: losses resolved as ``compile`` does, with the shape checks that are right for them.
     launch: start the workers of a multi-worker job on one machine (``python -m companion.launch``).
     diagnostics: which gradients are non-finite, and where the first NaN appears.
     attention: scaled dot-product attention and the attention block of ParameterNet.
@@ -29,9 +31,11 @@ _SUBMODULES = (
     "attention",
     "diagnostics",
     "launch",
+    "losses",
     "models",
     "notebook",
     "numerics",
+    "optimizers",
     "reproductions",
     "targets",
     "training",

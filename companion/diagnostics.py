@@ -18,13 +18,16 @@ import dataclasses
 import linecache
 import math
 import os
-import re
 import sysconfig
 import traceback
 from typing import Any, Callable, Iterable, Sequence
 
 import keras
 import tensorflow as tf
+
+from companion import _tf_internals
+from companion._gradients import gradient_values
+from companion.losses import mean_loss, resolve_loss
 
 __all__ = [
     "GradientRecord",
@@ -150,13 +153,6 @@ def _format_float(value: float | None) -> str:
     return f"{value:.2e}"
 
 
-def _gradient_values(gradient):
-    """The dense values of a gradient (``IndexedSlices`` keep only their ``values``)."""
-    if isinstance(gradient, tf.IndexedSlices):
-        return gradient.values
-    return gradient
-
-
 def _gradient_statistics(gradients: Sequence[Any]) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     """NaN counts, Inf counts and largest finite magnitudes, one entry per gradient.
 
@@ -170,7 +166,7 @@ def _gradient_statistics(gradients: Sequence[Any]) -> tuple[tf.Tensor, tf.Tensor
     for index, gradient in enumerate(gradients):
         if gradient is None:
             continue
-        values = tf.reshape(_gradient_values(gradient), [-1])
+        values = tf.reshape(gradient_values(gradient), [-1])
         finite = tf.math.is_finite(values)
         nan_flags.append(tf.cast(tf.math.is_nan(values), tf.int64))
         inf_flags.append(tf.cast(tf.math.is_inf(values), tf.int64))
@@ -209,135 +205,6 @@ def _records(variables, nan_counts, inf_counts, max_abs, has_gradient) -> Gradie
 
 def _variable_path(variable) -> str:
     return str(getattr(variable, "path", None) or getattr(variable, "name", "variable"))
-
-
-# --------------------------------------------------------------------------------------
-# Loss evaluation shared with companion.training
-# --------------------------------------------------------------------------------------
-
-_HALF_DTYPES = (tf.float16, tf.bfloat16)
-
-
-def _is_keras_loss(loss) -> bool:
-    """Keras' own losses align the ranks of targets and predictions themselves."""
-    if isinstance(loss, keras.losses.Loss):
-        return True
-    module = getattr(loss, "__module__", "") or ""
-    return module.startswith("keras.") or module == "keras"
-
-
-def _resolve_loss(loss) -> Callable:
-    """A callable ``loss(y_true, y_pred)``; strings go through :func:`keras.losses.get`."""
-    if isinstance(loss, str):
-        try:
-            return keras.losses.get(loss)
-        except ValueError:
-            raise ValueError(f"loss {loss!r} is not a Keras loss name; pass a callable loss(y_true, y_pred)") from None
-    if not callable(loss):
-        raise TypeError(
-            f"loss must be a callable loss(y_true, y_pred) or a Keras loss, got {type(loss).__name__} {loss!r}"
-        )
-    return loss
-
-
-def _check_loss_shapes(loss, y_true, y_pred) -> None:
-    """Static checks of targets and predictions that catch silent broadcasting."""
-    if not (tf.is_tensor(y_true) and tf.is_tensor(y_pred)):
-        return
-    if y_true.shape.rank is None or y_pred.shape.rank is None:
-        return
-    if not (y_true.dtype.is_floating and y_pred.dtype.is_floating):
-        return  # e.g. integer labels of a sparse cross-entropy
-    true_shape = y_true.shape
-    if _is_keras_loss(loss):
-        # Keras' losses align ranks that differ by one (labels of shape (batch,)).
-        if true_shape.rank == y_pred.shape.rank - 1:
-            true_shape = true_shape.concatenate([1])
-        elif true_shape.rank == y_pred.shape.rank + 1 and true_shape[-1] == 1:
-            true_shape = true_shape[:-1]
-    try:
-        broadcast = tf.broadcast_static_shape(true_shape, y_pred.shape)
-    except ValueError:
-        broadcast = None
-    if (
-        broadcast is None
-        or broadcast.rank != y_pred.shape.rank
-        or not all(_same_dim(a, b) for a, b in zip(broadcast, y_pred.shape))
-    ):
-        if broadcast is None:
-            consequence = "they are not broadcast-compatible"
-        else:
-            consequence = (
-                f"an elementwise loss would silently broadcast them to {tuple(broadcast)}, comparing predictions "
-                "with the wrong targets"
-            )
-        raise ValueError(
-            f"prediction shape {tuple(y_pred.shape)} does not match target shape {tuple(y_true.shape)}: "
-            f"{consequence}. Make the model's output and the targets the same shape "
-            "(e.g. targets y[:, None] for a model with one output unit)"
-        )
-
-
-def _loss_value(loss, y_true, y_pred) -> tf.Tensor:
-    """``mean(loss(y_true, y_pred))`` as a float32 scalar, with shape checks.
-
-    Half-precision predictions (mixed precision) are cast to float32 first, as Keras
-    does for its own losses. The loss may return a scalar or one value per example (its
-    first axis must then be the batch axis); it is averaged over all entries.
-    """
-    y_pred = tf.nest.map_structure(
-        lambda t: tf.cast(t, tf.float32) if tf.is_tensor(t) and t.dtype in _HALF_DTYPES else t, y_pred
-    )
-    _check_loss_shapes(loss, y_true, y_pred)
-    value = loss(y_true, y_pred)
-    try:
-        value = tf.convert_to_tensor(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"loss must return a tensor, got {type(value).__name__}") from None
-    if not value.dtype.is_floating:
-        raise TypeError(f"loss must return a floating-point tensor, got dtype {value.dtype.name}")
-    _check_loss_output(value, y_pred)
-    return tf.cast(tf.reduce_mean(value), tf.float32)
-
-
-def _same_dim(a, b) -> bool:
-    return (a is None and b is None) or (a is not None and b is not None and int(a) == int(b))
-
-
-def _check_loss_output(value: tf.Tensor, y_pred) -> None:
-    """The loss must be a scalar, or per-example values laid out like the predictions.
-
-    Per-example values have the leading axes of the predictions: ``(batch,)`` for a loss
-    that reduces the last axis, ``(batch, d)`` for an elementwise one. Anything else (an
-    axis the predictions do not have, or a batch axis that went missing) means the loss
-    broadcast or reduced the wrong axes.
-    """
-    if value.shape.rank is None or value.shape.rank == 0:
-        return
-    if tf.is_tensor(y_pred) and y_pred.shape.rank is not None:
-        expected = y_pred.shape
-        if value.shape.rank <= expected.rank and all(
-            _same_dim(value.shape[i], expected[i]) for i in range(value.shape.rank)
-        ):
-            return
-        detail = f"the predictions have shape {tuple(expected)}"
-    else:
-        batch = _batch_dim(y_pred)
-        if _same_dim(value.shape[0], batch):
-            return
-        detail = f"the batch axis has size {batch}"
-    raise ValueError(
-        f"loss returned a tensor of shape {tuple(value.shape)}, but {detail}; expected a scalar or one value per "
-        "example laid out like the predictions (batch axis first). Typical causes: targets of shape (batch,) "
-        "against predictions of shape (batch, 1), which broadcast to (batch, batch), or a reduction over axis 0"
-    )
-
-
-def _batch_dim(structure):
-    for t in tf.nest.flatten(structure):
-        if tf.is_tensor(t) and t.shape.rank:
-            return t.shape[0]
-    return None
 
 
 def _split_batch(batch) -> tuple[Any, Any]:
@@ -382,15 +249,15 @@ def nonfinite_gradients(model: keras.layers.Layer, loss: Callable | str, batch: 
             have incompatible shapes.
 
     Example:
-        >>> model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+        >>> model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, name="head")], name="net")
         >>> batch = (tf.constant([[float("nan")]]), tf.constant([[0.0]]))
         >>> report = nonfinite_gradients(model, "mse", batch)
         >>> [r.path for r in report.nonfinite]
-        ['sequential/dense/kernel', 'sequential/dense/bias']
+        ['net/head/kernel', 'net/head/bias']
     """
     if not isinstance(model, keras.layers.Layer):
         raise TypeError(f"model must be a Keras model (keras.Model or keras.layers.Layer), got {type(model).__name__}")
-    loss = _resolve_loss(loss)
+    loss = resolve_loss(loss)
     x, y = _split_batch(batch)
     x = tf.nest.map_structure(tf.convert_to_tensor, x)
     y = tf.nest.map_structure(tf.convert_to_tensor, y)
@@ -404,7 +271,7 @@ def nonfinite_gradients(model: keras.layers.Layer, loss: Callable | str, batch: 
     try:
         with tf.GradientTape() as tape:
             y_pred = model(x, training=True)
-            value = _loss_value(loss, y, y_pred)
+            value = mean_loss(loss, y, y_pred)
             if model.losses:
                 value = value + tf.cast(tf.add_n(model.losses), value.dtype)
         gradients = tape.gradient(value, variables)
@@ -486,9 +353,6 @@ class NonFiniteLocation:
         return "\n".join(lines)
 
 
-_MESSAGE_OP = re.compile(r'Detected Infinity or NaN in output (\d+) of (?:graph|eagerly-executing) op "([^"]+)"')
-_MESSAGE_DTYPE = re.compile(r"dtype: <dtype: '([^']+)'>")
-_MESSAGE_SHAPE = re.compile(r"shape: \(([^)]*)\)")
 _LIBRARY_PACKAGES = frozenset(
     {"tensorflow", "keras", "tf_keras", "absl", "numpy", "tensorflow_probability", "ml_dtypes"}
 )
@@ -520,51 +384,19 @@ class _ScopeRecorder:
         return None
 
 
-def _op_callbacks():
-    try:
-        from tensorflow.python.framework import op_callbacks
-    except ImportError:  # pragma: no cover - internal module moved
-        return None
-    if not (hasattr(op_callbacks, "add_op_callback") and hasattr(op_callbacks, "remove_op_callback")):
-        return None  # pragma: no cover
-    return op_callbacks
-
-
-def _check_numerics_enabled() -> bool:
-    try:
-        from tensorflow.python.debug.lib import check_numerics_callback
-    except ImportError:  # pragma: no cover
-        return False
-    return hasattr(check_numerics_callback._state, "check_numerics_callback")
-
-
-def _clean_op_type(raw: str) -> str:
-    match = re.fullmatch(r"b'(.*)'", raw)
-    return match.group(1) if match else raw
-
-
 def _parse_location(error: tf.errors.InvalidArgumentError, recorder: _ScopeRecorder) -> NonFiniteLocation:
     message = error.message if hasattr(error, "message") else str(error)
-    op_match = _MESSAGE_OP.search(message)
-    op_type = _clean_op_type(op_match.group(2)) if op_match else "unknown"
-    dtype_match = _MESSAGE_DTYPE.search(message)
-    shape_match = _MESSAGE_SHAPE.search(message)
-    shape = None
-    if shape_match:
-        dims = [d.strip() for d in shape_match.group(1).split(",") if d.strip()]
-        shape = tuple(None if d == "None" else int(d) for d in dims)
-    nan_count = sum(int(n) for n in re.findall(r"# of \+?NaN elements: (\d+)", message))
-    inf_count = sum(int(n) for n in re.findall(r"# of [+-]Inf elements: (\d+)", message))
+    parsed = _tf_internals.parse_check_numerics_message(message)
+    op_type = parsed["op_type"]
 
     phase, gradient_of, layer, user_frame = "forward", None, None, None
     for frame, lineno in traceback.walk_tb(error.__traceback__):
         code = frame.f_code
-        if code.co_name == "_gradient_function" and code.co_filename.endswith("backprop.py"):
-            phase = "gradient"
-            forward_op = frame.f_locals.get("op_name")
-            gradient_of = forward_op.decode() if isinstance(forward_op, bytes) else forward_op
+        kind, forward_op = _tf_internals.frame_phase(frame)
+        if kind == "gradient function":
+            phase, gradient_of = "gradient", forward_op
             layer = None  # layers on the stack belong to the caller, not to this op
-        elif code.co_name in ("imperative_grad", "gradient") and "backprop" in code.co_filename:
+        elif kind == "gradient":
             phase = "gradient"
         this = frame.f_locals.get("self")
         if phase == "forward" and isinstance(this, keras.layers.Layer) and code.co_name == "call":
@@ -593,10 +425,10 @@ def _parse_location(error: tf.errors.InvalidArgumentError, recorder: _ScopeRecor
         filename=filename,
         lineno=lineno,
         source=source,
-        dtype=dtype_match.group(1) if dtype_match else None,
-        shape=shape,
-        nan_count=nan_count,
-        inf_count=inf_count,
+        dtype=parsed["dtype"],
+        shape=parsed["shape"],
+        nan_count=parsed["nan_count"],
+        inf_count=parsed["inf_count"],
         message=message.strip(),
     )
 
@@ -653,31 +485,26 @@ def locate_nonfinite(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> NonFi
     was_eager = tf.config.functions_run_eagerly()
     tf_filtering = tf.debugging.is_traceback_filtering_enabled()
     keras_filtering = keras.config.is_traceback_filtering_enabled()
-    was_checking = _check_numerics_enabled()
-    callbacks = _op_callbacks()
+    was_checking = _tf_internals.check_numerics_enabled()
     recorder = _ScopeRecorder()
-    recorder_added = False
     try:
         tf.config.run_functions_eagerly(True)
         tf.debugging.disable_traceback_filtering()
         keras.config.disable_traceback_filtering()
         if was_checking:  # re-register after the recorder so the recorder runs first
             tf.debugging.disable_check_numerics()
-        if callbacks is not None:
-            callbacks.add_op_callback(recorder)
-            recorder_added = True
-        tf.debugging.enable_check_numerics()
-        try:
-            fn(*args, **kwargs)
-        except tf.errors.InvalidArgumentError as error:
-            if "Detected Infinity or NaN" not in str(error):
-                raise
-            return _parse_location(error, recorder)
+        with _tf_internals.op_callback(recorder):
+            tf.debugging.enable_check_numerics()
+            try:
+                fn(*args, **kwargs)
+            except tf.errors.InvalidArgumentError as error:
+                if not _tf_internals.is_check_numerics_failure(error):
+                    raise
+                return _parse_location(error, recorder)
+            finally:
+                tf.debugging.disable_check_numerics()
         return None
     finally:
-        tf.debugging.disable_check_numerics()
-        if recorder_added:
-            callbacks.remove_op_callback(recorder)
         if was_checking:
             tf.debugging.enable_check_numerics()
         tf.config.run_functions_eagerly(was_eager)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
 import sys
 
 import mpmath
@@ -106,12 +105,3 @@ def test_an_mpmath_reference_measures_float64_below_its_ulp():
 def test_ulp_error_rejects_integer_dtypes():
     with pytest.raises(TypeError, match="floating dtype"):
         ulp_error([1.0], [1.0], np.int32)
-
-
-def test_docstring_examples_run():
-    finder = doctest.DocTestFinder()
-    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
-    tests = [t for name in accuracy.__all__ for t in finder.find(getattr(accuracy, name), name)]
-    for test in tests:
-        runner.run(test)
-    assert runner.failures == 0 and runner.tries > 0

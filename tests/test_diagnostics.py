@@ -16,16 +16,7 @@ from companion.diagnostics import (
     locate_nonfinite,
     nonfinite_gradients,
 )
-
-
-class SqrtOfProduct(keras.layers.Layer):
-    """y = sqrt(w * x): its gradient with respect to w is 0 * inf = NaN at x = 0."""
-
-    def build(self, input_shape):
-        self.w = self.add_weight(shape=(), initializer=keras.initializers.Constant(0.5), name="w")
-
-    def call(self, x):
-        return tf.sqrt(self.w * x)
+from training_data import SqrtOfProduct
 
 
 class LogLayer(keras.layers.Layer):

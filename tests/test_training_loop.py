@@ -17,60 +17,19 @@ import tensorflow as tf
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from companion import training
-from companion.training import NonFiniteError, SkipNonFinite, SkippedStep, TrainingHistory, train
-
-FEATURES = 3
-BATCH = 8
-N_BATCHES = 8
-_RNG = np.random.default_rng(0)
-X = _RNG.normal(size=(BATCH * N_BATCHES, FEATURES)).astype("float32")
-Y = X @ np.array([[1.0], [2.0], [-1.0]], "float32")
-
-
-def make_dataset(poisoned=(), n_batches=N_BATCHES):
-    """Batches of (x, y); in each poisoned batch one input row is NaN."""
-    x = X[: n_batches * BATCH].copy()
-    for batch in poisoned:
-        x[batch * BATCH + 3, 0] = np.nan
-    return tf.data.Dataset.from_tensor_slices((x, Y[: n_batches * BATCH])).batch(BATCH)
-
-
-def make_model(batch_norm: bool = False, seed: int = 0) -> keras.Model:
-    keras.utils.set_random_seed(seed)
-    layers = [keras.Input((FEATURES,)), keras.layers.Dense(8, activation="tanh")]
-    if batch_norm:
-        layers.append(keras.layers.BatchNormalization())
-    layers.append(keras.layers.Dense(1))
-    return keras.Sequential(layers)
-
-
-def state_of(model, optimizer) -> list[np.ndarray]:
-    """Every model variable (batch-norm statistics included) and every optimizer variable."""
-    return [np.array(v.numpy()) for v in model.variables] + [np.array(v.numpy()) for v in optimizer.variables]
-
-
-def runner_modes(model) -> list[str]:
-    """How train() compiled its steps for ``model``, in the order it tried them."""
-    return [value.mode for value in training._RUNNERS[model].values() if isinstance(value, training._Runner)]
-
-
-def assert_bit_identical(a: list[np.ndarray], b: list[np.ndarray]) -> None:
-    assert len(a) == len(b)
-    for left, right in zip(a, b):
-        assert left.dtype == right.dtype and left.shape == right.shape
-        assert left.tobytes() == right.tobytes()
-
-
-class SqrtOfProduct(keras.layers.Layer):
-    """y = sqrt(w * x): finite at x = 0, but d y / d w = x / (2 sqrt(w x)) = 0 * inf = NaN there."""
-
-    def build(self, input_shape):
-        self.w = self.add_weight(shape=(), initializer=keras.initializers.Constant(0.5), name="w")
-
-    def call(self, x):
-        return tf.sqrt(self.w * x)
-
+from companion.training import NonFiniteError, SkippedStep, TrainingHistory, train
+from training_data import (
+    BATCH,
+    FEATURES,
+    N_BATCHES,
+    X,
+    Y,
+    SqrtOfProduct,
+    assert_bit_identical,
+    make_dataset,
+    make_model,
+    state_of,
+)
 
 # --------------------------------------------------------------------------------------
 # Skipping
@@ -124,40 +83,46 @@ def test_a_step_whose_gradient_norm_overflows_is_skipped_and_said_so():
     assert int(optimizer.iterations) == 0
 
 
+#: An optimizer whose update holds a conditional of its own (the EMA overwrite every two
+#: steps), which cannot be masked: train() falls back to a conditional update by itself.
+def _conditional_update_optimizer():
+    return keras.optimizers.Adam(0.05, use_ema=True, ema_overwrite_frequency=2)
+
+
 @pytest.mark.parametrize(
-    "mode, make_optimizer",
+    "width, make_optimizer, update",
     [
-        ("masked", lambda: keras.optimizers.Adam(0.05)),
-        ("whole", lambda: keras.optimizers.Adam(0.05)),
-        ("split", lambda: keras.optimizers.Adam(0.05)),
-        # An update with a conditional inside cannot be masked: train falls back by itself.
-        ("whole", lambda: keras.optimizers.Adam(0.05, use_ema=True, ema_overwrite_frequency=2)),
+        (8, lambda: keras.optimizers.Adam(0.05), "masked"),
+        (8, _conditional_update_optimizer, "whole"),
+        # From 2**20 parameters on, the conditional update runs as an XLA function of its own.
+        (1024, _conditional_update_optimizer, "split"),
     ],
-    ids=["masked", "whole", "split", "conditional-update-falls-back"],
+    ids=["masked", "conditional-update-small-model", "conditional-update-large-model"],
 )
-def test_skipped_step_leaves_weights_and_optimizer_state_unchanged(mode, make_optimizer, monkeypatch, request):
+def test_skipped_step_leaves_weights_and_optimizer_state_unchanged(width, make_optimizer, update):
     # "masked" (every write a select, one XLA function) is what train() uses by default;
-    # "whole" and "split" (the update under a conditional, in one XLA function or in its
-    # own, for large models) are its fallbacks when an optimizer's update cannot be masked.
-    if request.node.callspec.id in ("whole", "split"):
-        monkeypatch.setattr(training, "_MASKABLE_STATEFUL_OPS", frozenset())  # nothing can be masked
-    monkeypatch.setattr(training, "_SPLIT_UPDATE_MIN_PARAMETERS", 0 if mode == "split" else 2**60)
-    poisoned_model, poisoned_opt = make_model(batch_norm=True), make_optimizer()
-    clean_model, clean_opt = make_model(batch_norm=True), make_optimizer()
+    # "whole" and "split" (the update under a conditional, in the step's XLA function or
+    # in its own) are its fallbacks when an optimizer's update cannot be masked.
+    def model():
+        built = make_model(batch_norm=True, width=width)
+        if width > 8:  # a second wide layer: 1024 * 1024 more parameters
+            built = keras.Sequential([*built.layers[:-1], keras.layers.Dense(width), built.layers[-1]])
+        return built
+
+    poisoned_model, poisoned_opt = model(), make_optimizer()
+    clean_model, clean_opt = model(), make_optimizer()
     # Step 1 of the poisoned run is batch 1 poisoned; the clean run never sees it.
     data = make_dataset(poisoned=[1], n_batches=2)
     history = train(poisoned_model, data, loss="mse", optimizer=poisoned_opt, verbose=0)
     train(clean_model, data.take(1), loss="mse", optimizer=clean_opt, verbose=0)
 
-    modes = runner_modes(poisoned_model)
-    assert modes == (["masked"] if mode == "masked" else ["masked", mode])
+    assert history.update == update
     assert history.skipped == [1] and history.xla
     assert int(poisoned_opt.iterations) == 1
     # Weights, batch-norm statistics (restored after the NaN forward pass), Adam state.
     assert_bit_identical(state_of(poisoned_model, poisoned_opt), state_of(clean_model, clean_opt))
-    # A second call reuses the runner that works, without tracing the masked one again.
-    train(poisoned_model, data, loss="mse", optimizer=poisoned_opt, verbose=0)
-    assert runner_modes(poisoned_model) == modes
+    # A second call takes the same way.
+    assert train(poisoned_model, data, loss="mse", optimizer=poisoned_opt, verbose=0).update == update
 
 
 #: One optimizer per kind of update code in Keras (momentum, centred second moments,
@@ -180,7 +145,7 @@ def test_every_keras_optimizer_is_masked_and_a_skip_leaves_its_state_bit_identic
     history = train(poisoned_model, data, loss="mse", optimizer=poisoned_opt, verbose=0)
     train(clean_model, data.take(1), loss="mse", optimizer=clean_opt, verbose=0)
 
-    assert runner_modes(poisoned_model) == ["masked"]
+    assert history.update == "masked"
     assert history.skipped == [1]
     assert_bit_identical(state_of(poisoned_model, poisoned_opt), state_of(clean_model, clean_opt))
 
@@ -369,7 +334,7 @@ class _DuckOptimizer:
 BAD_INPUTS = [
     ({"epochs": 0}, ValueError, r"epochs must be >= 1, got 0"),
     ({"epochs": 1.5}, TypeError, r"epochs must be an int, got float"),
-    ({"on_nonfinite": "ignore"}, ValueError, r"on_nonfinite must be one of \('skip', 'raise'\), got 'ignore'"),
+    ({"on_nonfinite": "warn"}, ValueError, r"on_nonfinite must be one of \('skip', 'raise', 'ignore'\), got 'warn'"),
     ({"max_consecutive_nonfinite": 0}, ValueError, r"max_consecutive_nonfinite must be >= 1"),
     ({"optimizer": "adam"}, TypeError, r"optimizer must be a Keras optimizer .*got builtins\.str"),
     ({"optimizer": _DuckOptimizer()}, TypeError, r"optimizer must be a Keras optimizer .*got .*_DuckOptimizer"),
@@ -438,52 +403,18 @@ def test_xla_failure_falls_back_with_a_warning_and_trains():
     assert int(optimizer.iterations) == 2 * N_BATCHES - 2
 
 
-# --------------------------------------------------------------------------------------
-# SkipNonFinite with model.fit
-# --------------------------------------------------------------------------------------
-
-
-def test_skip_nonfinite_makes_fit_skip_a_poisoned_batch():
-    model = make_model()
-    model.compile(optimizer=SkipNonFinite(keras.optimizers.Adam(0.05)), loss="mse", jit_compile=True)
-    assert model.jit_compile  # the guard runs inside the XLA-compiled train step
-    before = model.evaluate(X, Y, verbose=0)
-    model.fit(make_dataset(poisoned=[2]), epochs=3, verbose=0, shuffle=False)
-
-    assert int(model.optimizer.skipped_steps) == 3
-    assert int(model.optimizer.iterations) == 3 * (N_BATCHES - 1)
-    assert all(np.isfinite(v.numpy()).all() for v in model.variables)
-    assert model.evaluate(X, Y, verbose=0) < 0.5 * before
-
-
-def test_skip_nonfinite_skip_leaves_inner_optimizer_state_unchanged():
-    guarded_model, clean_model = make_model(), make_model()
-    guarded_model.compile(optimizer=SkipNonFinite(keras.optimizers.Adam(0.05)), loss="mse", jit_compile=True)
-    clean_model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse", jit_compile=True)
-    guarded_model.fit(make_dataset(poisoned=[1], n_batches=2), verbose=0, shuffle=False)
-    clean_model.fit(make_dataset(n_batches=1), verbose=0, shuffle=False)
-    inner = guarded_model.optimizer.inner_optimizer
-    assert_bit_identical(state_of(guarded_model, inner), state_of(clean_model, clean_model.optimizer))
-
-
-def test_skip_nonfinite_rejects_what_it_cannot_wrap():
-    with pytest.raises(TypeError, match="inner_optimizer must be a Keras optimizer"):
-        SkipNonFinite("adam")
-    with pytest.raises(ValueError, match=re.escape("LossScaleOptimizer(SkipNonFinite(optimizer))")):
-        SkipNonFinite(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()))
-
-
-def test_skip_nonfinite_config_round_trip():
-    wrapper = SkipNonFinite(keras.optimizers.Adam(0.003), name="guarded")
-    restored = SkipNonFinite.from_config(wrapper.get_config())
-    assert restored.name == "guarded"
-    assert isinstance(restored.inner_optimizer, keras.optimizers.Adam)
-    assert float(restored.learning_rate) == pytest.approx(0.003)
-
-
 def test_a_clean_run_issues_no_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         history = train(make_model(), make_dataset(), loss="mse", optimizer=keras.optimizers.SGD(0.01), verbose=0,
                         jit_compile=False)
     assert history.skipped == [] and history.reports == []
+
+
+def test_ignore_mode_applies_every_step_as_fit_does():
+    model, optimizer = make_model(), keras.optimizers.SGD(0.01)
+    history = train(model, make_dataset(poisoned=[2]), loss="mse", optimizer=optimizer, on_nonfinite="ignore",
+                    verbose=0)
+    assert history.skipped == [] and not np.isfinite(history.step_loss[2])
+    assert int(optimizer.iterations) == N_BATCHES
+    assert not all(np.isfinite(v.numpy()).all() for v in model.trainable_variables)

@@ -1,0 +1,60 @@
+"""Tensor helpers over lists of gradients, shared by the training loop, the optimizer
+wrapper and the diagnostics. A gradient may be a dense tensor, ``tf.IndexedSlices``
+(from an embedding lookup) or ``None`` (a variable the loss does not depend on).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import tensorflow as tf
+
+
+def gradient_values(gradient):
+    """The dense values of a gradient (``IndexedSlices`` keep only their ``values``)."""
+    if isinstance(gradient, tf.IndexedSlices):
+        return gradient.values
+    return gradient
+
+
+def scale_gradient(gradient, factor):
+    """``gradient * factor`` for a dense gradient or ``IndexedSlices``; ``None`` stays ``None``."""
+    if gradient is None:
+        return None
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            gradient.values * tf.cast(factor, gradient.values.dtype), gradient.indices, gradient.dense_shape
+        )
+    return gradient * tf.cast(factor, gradient.dtype)
+
+
+def global_norm(gradients: Sequence[Any]) -> tf.Tensor:
+    """The float32 global norm sqrt(sum of all squared entries), NaN or Inf if any entry is."""
+    squares = [tf.reduce_sum(tf.square(tf.cast(gradient_values(g), tf.float32))) for g in gradients if g is not None]
+    if not squares:
+        return tf.constant(0.0, tf.float32)
+    return tf.sqrt(tf.add_n(squares))
+
+
+def all_finite(gradients: Sequence[Any]) -> tf.Tensor:
+    """A boolean scalar: every entry of every gradient is finite."""
+    flags = [tf.reduce_all(tf.math.is_finite(gradient_values(g))) for g in gradients if g is not None]
+    if not flags:
+        return tf.constant(True)
+    return tf.reduce_all(tf.stack(flags))
+
+
+def nonfinite_counts(gradients: Sequence[Any]) -> tuple[tf.Tensor, tf.Tensor]:
+    """NaN and Inf counts per gradient (``None`` counts 0), as two int64 vectors."""
+    nan_counts, inf_counts = [], []
+    for gradient in gradients:
+        if gradient is None:
+            nan_counts.append(tf.constant(0, tf.int64))
+            inf_counts.append(tf.constant(0, tf.int64))
+            continue
+        values = gradient_values(gradient)
+        nan = tf.reduce_sum(tf.cast(tf.math.is_nan(values), tf.int32))
+        nonfinite = tf.reduce_sum(tf.cast(tf.logical_not(tf.math.is_finite(values)), tf.int32))
+        nan_counts.append(tf.cast(nan, tf.int64))
+        inf_counts.append(tf.cast(nonfinite - nan, tf.int64))
+    return tf.stack(nan_counts), tf.stack(inf_counts)

@@ -1,0 +1,411 @@
+"""Every use of a private TensorFlow or Keras API in :mod:`companion`, in one place.
+
+No other module of the package names a private TensorFlow/Keras module, attribute or
+error text. Each hook below says
+
+* what it relies on (the private name, and the TensorFlow/Keras behaviour behind it),
+* what happens when it is gone: the caller falls back to a public, slower or less
+  informative way, and :func:`warn_once` issues an :class:`InternalAPIWarning` the first
+  time (never a silent fall-back),
+
+and has a canary test in ``tests/test_tf_internals.py`` that fails loudly when an
+upgrade of TensorFlow or Keras removes the hook or stops calling it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+import warnings
+from typing import Any, Callable, Iterator
+
+import tensorflow as tf
+
+
+class InternalAPIWarning(RuntimeWarning):
+    """A private TensorFlow/Keras API that :mod:`companion` relies on is gone or changed.
+
+    The package still works, through a fall-back that the warning names; report it so
+    the hook can be updated.
+    """
+
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def warn_once(key: str, message: str) -> None:
+    """Issue ``message`` as an :class:`InternalAPIWarning`, once per process and ``key``."""
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    warnings.warn(message, InternalAPIWarning, stacklevel=3)
+
+
+# --------------------------------------------------------------------------------------
+# 1. Variable writes while tracing (the masked update of companion.training)
+# --------------------------------------------------------------------------------------
+# Relies on: every resource-variable write (``Variable.assign``, ``assign_add``,
+# ``assign_sub``, so every write of a Keras optimizer's ``apply``) calling
+# ``tensorflow.python.ops.gen_resource_variable_ops.assign_variable_op`` (and the _add /
+# _sub variants) through the module attribute, at trace time.
+# If gone: ``variable_writes_interceptable()`` is False (or the traced update holds
+# writes that did not come through the interceptor), and the training loop puts the
+# update under a ``tf.cond`` instead: the same results, slower under XLA.
+# The patch is installed while at least one thread traces under it (reference count,
+# under a lock) and only rewrites writes of the threads that asked for it, so two
+# threads tracing at once can neither leave it installed nor see each other's rewrite.
+
+_WRITERS = {
+    "assign_variable_op": lambda old, value: value,
+    "assign_add_variable_op": lambda old, value: old + value,
+    "assign_sub_variable_op": lambda old, value: old - value,
+}
+_patch_lock = threading.Lock()
+_patch_users = 0
+_patch_originals: dict[str, Callable] = {}
+_thread_rewriters = threading.local()
+
+
+def _resource_variable_ops():
+    try:
+        from tensorflow.python.ops import gen_resource_variable_ops as module
+    except ImportError:  # pragma: no cover - depends on the TensorFlow version
+        return None
+    if not all(callable(getattr(module, name, None)) for name in (*_WRITERS, "read_variable_op")):
+        return None  # pragma: no cover
+    return module
+
+
+def variable_writes_interceptable() -> bool:
+    """Whether :func:`intercept_variable_writes` can work with this TensorFlow."""
+    if _resource_variable_ops() is None:  # pragma: no cover - depends on the TensorFlow version
+        warn_once(
+            "gen_resource_variable_ops",
+            "tensorflow.python.ops.gen_resource_variable_ops has no assign_variable_op: the masked update is "
+            "unavailable, so companion.training puts the update under a tf.cond (same results, slower with XLA)",
+        )
+        return False
+    return True
+
+
+def _patched(name: str, original: Callable, assign: Callable, read: Callable) -> Callable:
+    combine = _WRITERS[name]
+
+    def write(resource, value, *args, **kwargs):
+        rewriters = getattr(_thread_rewriters, "stack", None)
+        if not rewriters:
+            return original(resource, value, *args, **kwargs)
+        old = read(resource, value.dtype)
+        return assign(resource, rewriters[-1](old, combine(old, value)), *args, **kwargs)
+
+    write.__wrapped__ = original
+    return write
+
+
+@contextlib.contextmanager
+def intercept_variable_writes(rewrite: Callable[[tf.Tensor, tf.Tensor], tf.Tensor]) -> Iterator[None]:
+    """While active in this thread, every traced variable write assigns ``rewrite(old, new)``.
+
+    ``old`` is the variable's value read right before the write and ``new`` the value the
+    original write would store (``old + delta`` for ``assign_add``). Writes of other
+    threads are not touched. Call :func:`variable_writes_interceptable` first.
+    """
+    global _patch_users
+    module = _resource_variable_ops()
+    if module is None:  # pragma: no cover - depends on the TensorFlow version
+        raise RuntimeError("variable writes cannot be intercepted with this TensorFlow")
+    with _patch_lock:
+        if _patch_users == 0:
+            _patch_originals.update({name: getattr(module, name) for name in _WRITERS})
+            assign, read = _patch_originals["assign_variable_op"], module.read_variable_op
+            for name, original in _patch_originals.items():
+                setattr(module, name, _patched(name, original, assign, read))
+        _patch_users += 1
+    stack = _thread_rewriters.__dict__.setdefault("stack", [])
+    stack.append(rewrite)
+    try:
+        yield
+    finally:
+        stack.pop()
+        with _patch_lock:
+            _patch_users -= 1
+            if _patch_users == 0:
+                for name, original in _patch_originals.items():
+                    setattr(module, name, original)
+                _patch_originals.clear()
+
+
+def variable_writes_patched() -> bool:
+    """Whether the write interceptor is installed right now (for tests)."""
+    module = _resource_variable_ops()
+    return module is not None and any(hasattr(getattr(module, name), "__wrapped__") for name in _WRITERS)
+
+
+# --------------------------------------------------------------------------------------
+# 2. The variables a Keras optimizer was built for
+# --------------------------------------------------------------------------------------
+# Relies on: Keras 3's ``BaseOptimizer._trainable_variables``, the list given to
+# ``build``. Used to refuse, before any step, an optimizer built for another model.
+# If gone: the check is skipped (a mismatch then fails inside the first step, with
+# Keras' own error).
+
+
+def optimizer_variables_known(optimizer, variables) -> bool:
+    """Whether ``optimizer`` was built for every variable of ``variables``."""
+    known = getattr(optimizer, "_trainable_variables", None)
+    if known is None:
+        warn_once(
+            "optimizer._trainable_variables",
+            "keras optimizers have no _trainable_variables: train() cannot check before the first step that the "
+            "optimizer was built for this model",
+        )
+        return True
+    ids = {id(v) for v in known}
+    return all(id(v) in ids for v in variables)
+
+
+# --------------------------------------------------------------------------------------
+# 3. Gradients already summed over replicas
+# --------------------------------------------------------------------------------------
+# Relies on: Keras 3's TensorFlow optimizer all-reducing the gradients inside ``apply``
+# through its method ``_all_reduce_sum_gradients(grads_and_vars)``. The training loop
+# has summed them for the finiteness test already; overriding the method on the
+# instance with the identity avoids a second all-reduce.
+# If gone: each replica hands the optimizer its own share (scaled by 1/global batch)
+# and the optimizer's all-reduce sums them: the same numbers, twice the traffic.
+
+
+def can_skip_optimizer_all_reduce(optimizer) -> bool:
+    """Whether :func:`optimizer_all_reduce_skipped` works for ``optimizer``."""
+    if callable(getattr(type(optimizer), "_all_reduce_sum_gradients", None)):
+        return True
+    warn_once(
+        "_all_reduce_sum_gradients",
+        f"{type(optimizer).__name__} has no _all_reduce_sum_gradients: with several replicas the gradients are "
+        "all-reduced twice per step (once for the finiteness test, once by the optimizer)",
+    )
+    return False
+
+
+@contextlib.contextmanager
+def optimizer_all_reduce_skipped(optimizer) -> Iterator[None]:
+    """While tracing ``optimizer.apply``: tell it its gradients are summed already."""
+    optimizer._all_reduce_sum_gradients = list  # the (gradient, variable) pairs, unchanged
+    try:
+        yield
+    finally:
+        del optimizer._all_reduce_sum_gradients
+
+
+# --------------------------------------------------------------------------------------
+# 4. Every layer of a model
+# --------------------------------------------------------------------------------------
+# Relies on: Keras 3's ``Layer._flatten_layers(include_self=True, recursive=True)``.
+# If gone: a walk over the public ``layers`` attributes (which misses layers kept in
+# plain attributes of a subclassed layer).
+
+
+def all_layers(model) -> list:
+    """``model`` and every layer nested in it."""
+    flatten = getattr(model, "_flatten_layers", None)
+    if flatten is not None:
+        return list(flatten(include_self=True, recursive=True))
+    warn_once("_flatten_layers", "keras layers have no _flatten_layers: nested layers are found through .layers only")
+    found, pending = [], [model]
+    while pending:
+        layer = pending.pop()
+        found.append(layer)
+        pending.extend(getattr(layer, "layers", []) or [])
+    return found
+
+
+# --------------------------------------------------------------------------------------
+# 5. Whether a strategy spans several workers
+# --------------------------------------------------------------------------------------
+# Relies on: ``strategy.extended._in_multi_worker_mode()`` (TensorFlow's own test for
+# "this strategy has a cluster of several tasks").
+# If gone: a ``MultiWorkerMirroredStrategy`` whose cluster spec has more than one task.
+
+
+def in_multi_worker_mode(strategy: tf.distribute.Strategy) -> bool:
+    """Whether ``strategy`` runs on several workers (processes)."""
+    method = getattr(strategy.extended, "_in_multi_worker_mode", None)
+    if method is not None:
+        return bool(method())
+    warn_once(
+        "_in_multi_worker_mode",
+        "tf.distribute strategies have no extended._in_multi_worker_mode: multi-worker mode is inferred from "
+        "the cluster spec",
+    )
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) or resolver is None:
+        return False
+    spec = resolver.cluster_spec()
+    return sum(spec.num_tasks(job) for job in spec.jobs) > 1
+
+
+# --------------------------------------------------------------------------------------
+# 6. Replica-context optimizers without merge_call
+# --------------------------------------------------------------------------------------
+# Relies on: ``tf.__internal__.distribute.strategy_supports_no_merge_call()``, which
+# Keras' own optimizers use to decide between an all-reduce in replica context and a
+# ``merge_call``.
+# If gone: ``merge_call`` (works under every strategy; a little slower).
+
+
+def strategy_supports_no_merge_call() -> bool:
+    """Whether the current strategy can all-reduce in replica context."""
+    internal = getattr(getattr(tf.__internal__, "distribute", None), "strategy_supports_no_merge_call", None)
+    if internal is None:  # pragma: no cover - depends on the TensorFlow version
+        warn_once(
+            "strategy_supports_no_merge_call",
+            "tf.__internal__.distribute.strategy_supports_no_merge_call is gone: SkipNonFinite uses merge_call",
+        )
+        return False
+    return bool(internal())
+
+
+# --------------------------------------------------------------------------------------
+# 7. Op callbacks and the check-numerics state (companion.diagnostics.locate_nonfinite)
+# --------------------------------------------------------------------------------------
+# Relies on: ``tensorflow.python.framework.op_callbacks.add_op_callback`` /
+# ``remove_op_callback`` (to record the name scope of each eager op), and the module
+# state ``tensorflow.python.debug.lib.check_numerics_callback._state`` (whether the
+# user had ``enable_check_numerics`` on, so it can be restored).
+# If gone: the location is reported without its name scope; the user's check-numerics
+# setting is assumed off.
+
+
+@contextlib.contextmanager
+def op_callback(callback: Callable) -> Iterator[bool]:
+    """Register ``callback`` for every op while active; yields whether that was possible."""
+    try:
+        from tensorflow.python.framework import op_callbacks
+    except ImportError:  # pragma: no cover
+        op_callbacks = None
+    if op_callbacks is None or not hasattr(op_callbacks, "add_op_callback"):  # pragma: no cover
+        warn_once("op_callbacks", "tensorflow op_callbacks are gone: locate_nonfinite reports no name scopes")
+        yield False
+        return
+    op_callbacks.add_op_callback(callback)
+    try:
+        yield True
+    finally:
+        op_callbacks.remove_op_callback(callback)
+
+
+def check_numerics_enabled() -> bool:
+    """Whether :func:`tf.debugging.enable_check_numerics` is on in this thread."""
+    try:
+        from tensorflow.python.debug.lib import check_numerics_callback
+        state = check_numerics_callback._state
+    except (ImportError, AttributeError):  # pragma: no cover
+        warn_once("check_numerics_callback._state", "cannot tell whether enable_check_numerics is on; assuming off")
+        return False
+    return hasattr(state, "check_numerics_callback")
+
+
+# --------------------------------------------------------------------------------------
+# 8. The forward op of a gradient being computed (from a traceback)
+# --------------------------------------------------------------------------------------
+# Relies on: eager ``GradientTape.gradient`` calling each op's registered gradient from
+# ``tensorflow/python/eager/backprop.py``'s ``_gradient_function(op_name, ...)``; its
+# local ``op_name`` is the forward op's type.
+# If gone: the report still says "gradient" (from ``imperative_grad`` on the stack) but
+# not of which forward op.
+
+
+def frame_phase(frame) -> tuple[str | None, str | None]:
+    """What a traceback frame of eager backprop is doing.
+
+    Returns ``("gradient function", forward op type)`` for the frame that calls one
+    op's registered gradient, ``("gradient", None)`` for the other frames of
+    ``GradientTape.gradient``, and ``(None, None)`` for any other frame.
+    """
+    code = frame.f_code
+    if code.co_name == "_gradient_function" and code.co_filename.endswith("backprop.py"):
+        forward = frame.f_locals.get("op_name")
+        return "gradient function", forward.decode() if isinstance(forward, bytes) else forward
+    if code.co_name in ("imperative_grad", "gradient") and "backprop" in code.co_filename:
+        return "gradient", None
+    return None, None
+
+
+# --------------------------------------------------------------------------------------
+# 9. TensorFlow's error texts
+# --------------------------------------------------------------------------------------
+# Relies on: the wording of TensorFlow's messages for (a) an XLA compilation failure,
+# (b) an aborted collective, (c) a CheckNumerics failure. They are not an API.
+# If gone: (a) an XLA failure is raised instead of retried without XLA; (b) the
+# WorkerLostError message quotes the first line of TensorFlow's error; (c) the
+# location lacks dtype, shape or counts. Each canary test provokes the real error.
+
+_XLA_MARKERS = ("_XlaMustCompile", "XLA_CPU_JIT", "XLA_GPU_JIT", "XLA_TPU_JIT", "could not be compiled", "XlaCompile")
+
+
+def looks_like_xla_failure(error: Exception) -> bool:
+    """Whether ``error`` says that XLA could not compile a function."""
+    return any(marker in str(error) for marker in _XLA_MARKERS)
+
+
+def xla_failure_summary(error: Exception) -> str:
+    """One line saying why XLA failed, e.g. ``"no XLA kernel for EagerPyFunc"``."""
+    text = str(error)
+    unsupported = re.search(r"on XLA_\w+_JIT: ([\w, ]+)", text)
+    if unsupported:
+        return f"no XLA kernel for {unsupported.group(1).strip()}"
+    for line in text.splitlines():
+        if "XLA" in line or "compile" in line:
+            return line.strip()[:300]
+    return text.strip().splitlines()[0][:300] if text.strip() else type(error).__name__
+
+
+def collective_error_summary(text: str) -> str:
+    """The line of a failed collective's error message that says what happened."""
+    text = re.sub(r"\{\{function_node [^}]*\}\}\s*", "", text)
+    aborted = re.search(r"Collective ops is aborted by: (.+)", text)
+    if aborted:
+        return aborted.group(1).strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in lines:
+        if re.search(r"unhealthy|timed out|reset by peer|refused|Socket closed|is down|unavailable", line, re.I):
+            return line
+    return lines[0] if lines else ""
+
+
+def tasks_named_in(text: str) -> tuple[str, ...]:
+    """The ``/job:…/replica:…/task:…`` names in an error message, in order, once each."""
+    return tuple(dict.fromkeys(re.findall(r"/job:\w+/replica:\d+/task:\d+", text)))
+
+
+_CHECK_OP = re.compile(r'Detected Infinity or NaN in output (\d+) of (?:graph|eagerly-executing) op "([^"]+)"')
+_CHECK_DTYPE = re.compile(r"dtype: <dtype: '([^']+)'>")
+_CHECK_SHAPE = re.compile(r"shape: \(([^)]*)\)")
+
+
+def is_check_numerics_failure(error: Exception) -> bool:
+    """Whether ``error`` is the error of a failed numerics check."""
+    return "Detected Infinity or NaN" in str(error)
+
+
+def parse_check_numerics_message(message: str) -> dict[str, Any]:
+    """Op type, dtype, shape, NaN and Inf counts from a CheckNumerics error message."""
+    op = _CHECK_OP.search(message)
+    op_type = op.group(2) if op else "unknown"
+    quoted = re.fullmatch(r"b'(.*)'", op_type)
+    dtype = _CHECK_DTYPE.search(message)
+    shape_match = _CHECK_SHAPE.search(message)
+    shape = None
+    if shape_match:
+        dims = [d.strip() for d in shape_match.group(1).split(",") if d.strip()]
+        shape = tuple(None if d == "None" else int(d) for d in dims)
+    return {
+        "op_type": quoted.group(1) if quoted else op_type,
+        "dtype": dtype.group(1) if dtype else None,
+        "shape": shape,
+        "nan_count": sum(int(n) for n in re.findall(r"# of \+?NaN elements: (\d+)", message)),
+        "inf_count": sum(int(n) for n in re.findall(r"# of [+-]Inf elements: (\d+)", message)),
+    }

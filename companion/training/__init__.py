@@ -1,0 +1,28 @@
+"""A training loop that survives NaN: :func:`train`, and what it returns and raises.
+
+:func:`train` runs a Keras model over a dataset and checks, inside the compiled step,
+that the loss and every gradient are finite; a step that fails the check applies no
+update at all and is recorded in the :class:`TrainingHistory`. :class:`SkipNonFinite`
+(from :mod:`companion.optimizers`) gives ``model.fit`` users the same skip.
+
+The package, one idea per module:
+
+* ``results``: :class:`TrainingHistory`, :class:`SkippedStep`, :class:`NonFiniteError`,
+  :class:`WorkerLostError`.
+* ``inputs``: the checks of :func:`train`'s arguments and dataset.
+* ``masking``: the masked update (every variable write a select).
+* ``step``: the compiled step and the loop of steps per host call.
+* ``checkpoints``: epoch-end checkpoints and resuming.
+* ``cluster``: the workers of a multi-worker run.
+* ``loop``: :func:`train` itself, the host loop.
+
+The chapter *The guarded training loop* derives the design and measures its cost.
+"""
+
+from __future__ import annotations
+
+from companion.optimizers import SkipNonFinite
+from companion.training.loop import train
+from companion.training.results import NonFiniteError, SkippedStep, TrainingHistory, WorkerLostError
+
+__all__ = ["NonFiniteError", "SkipNonFinite", "SkippedStep", "TrainingHistory", "WorkerLostError", "train"]

@@ -1,0 +1,97 @@
+"""The workers of a multi-worker run as :func:`companion.training.train` sees them:
+who is the chief, one small all-reduce to agree on numbers, and the
+:class:`~companion.training.WorkerLostError` for a collective that failed because a
+peer is gone (chapter *Training across machines*).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from companion import _tf_internals
+from companion.training.results import TrainingHistory, WorkerLostError
+
+
+#: Errors a collective op raises when a peer is gone (crashed, unreachable, timed out).
+PEER_FAILURES = (
+    tf.errors.UnavailableError,
+    tf.errors.DeadlineExceededError,
+    tf.errors.CancelledError,
+    tf.errors.AbortedError,
+)
+
+
+class Cluster:
+    """The workers of a multi-worker strategy, as :func:`train` sees them."""
+
+    def __init__(self, strategy: tf.distribute.Strategy) -> None:
+        resolver = strategy.cluster_resolver
+        self.strategy = strategy
+        self.task_type = resolver.task_type
+        self.task_id = int(resolver.task_id)
+        spec = resolver.cluster_spec()
+        self.workers = sum(spec.num_tasks(job) for job in spec.jobs if job in ("chief", "worker"))
+        self.is_chief = bool(strategy.extended.should_checkpoint)
+        self._gather = None
+
+    @classmethod
+    def of(cls, strategy: tf.distribute.Strategy) -> "Cluster | None":
+        """The cluster of ``strategy``, or ``None`` if it runs in this process only."""
+        if not _tf_internals.in_multi_worker_mode(strategy):
+            return None
+        return cls(strategy)
+
+    @property
+    def task(self) -> str:
+        return f"{self.task_type} {self.task_id}"
+
+    def gather(self, *values: float) -> np.ndarray:
+        """``values`` of every replica, one row per replica (one small all-reduce)."""
+        if self._gather is None:
+
+            def gather(value):
+                # An all-reduce of one row per replica, zeros elsewhere: exact, and it
+                # works on values that live on no particular device, unlike all_gather.
+                context = tf.distribute.get_replica_context()
+                rows = tf.one_hot(context.replica_id_in_sync_group, context.num_replicas_in_sync)[:, None]
+                return context.all_reduce(tf.distribute.ReduceOp.SUM, rows * value[None, :])
+
+            self._gather = tf.function(lambda value: self.strategy.run(gather, args=(value,)), autograph=False)
+        result = self._gather(tf.constant(values, tf.float32))
+        return self.strategy.experimental_local_results(result)[0].numpy()
+
+    def lost(self, error: Exception, epoch: int, history: TrainingHistory, checkpoint) -> WorkerLostError:
+        """The :class:`WorkerLostError` for a collective that failed with ``error``."""
+        text = str(error)
+        peers = _tf_internals.tasks_named_in(text)
+        if isinstance(error, tf.errors.DeadlineExceededError) or "timed out" in text:
+            cause = (
+                "a collective operation timed out (the timeout_seconds of the strategy's communication_options): "
+                "a peer is gone or stuck"
+            )
+        elif "heartbeat" in text:
+            cause = f"the coordination service stopped receiving heartbeats from {', '.join(peers) or 'a peer'}"
+        else:
+            cause = f"{', '.join(peers) or 'a peer'} is unreachable"
+        latest = checkpoint.latest if checkpoint is not None else None
+        if latest is not None:
+            resume = (
+                f"restart all workers with the same checkpoint_dir to resume from {latest!r} "
+                f"(after epoch {int(latest.rsplit('-', 1)[-1])})"
+            )
+        elif checkpoint is not None:
+            resume = "restart all workers; no epoch had completed, so training starts again from the beginning"
+        else:
+            resume = "restart all workers (pass checkpoint_dir to resume after the last completed epoch)"
+        first_line = _tf_internals.collective_error_summary(text) or type(error).__name__
+        return WorkerLostError(
+            f"{self.task} of {self.workers} lost a peer during epoch {epoch + 1}: {cause} "
+            f"({type(error).__name__}: {first_line[:300]}). TensorFlow aborted this process's collective "
+            f"operations, so training cannot continue here; {resume}.",
+            task=self.task,
+            peers=peers,
+            epoch=epoch,
+            checkpoint=latest,
+            history=history,
+        )

@@ -1,0 +1,241 @@
+"""What :func:`companion.training.train` returns and raises.
+
+:class:`TrainingHistory` records every step (loss, gradient norm, whether it was
+applied) and a :class:`SkippedStep` per skipped one; :class:`NonFiniteError` and
+:class:`WorkerLostError` stop training with the history so far. All of them survive a
+JSON round trip, which is how the history travels in checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+import numpy as np
+
+from companion.diagnostics import GradientRecord, GradientReport
+
+__all__ = ["NonFiniteError", "SkippedStep", "TrainingHistory", "WorkerLostError"]
+
+
+class NonFiniteError(FloatingPointError):
+    """Training stopped because of non-finite losses or gradients.
+
+    Raised by :func:`train` at the first non-finite step when
+    ``on_nonfinite="raise"``, or after ``max_consecutive_nonfinite`` consecutive
+    non-finite steps when ``on_nonfinite="skip"``. None of these steps applied an
+    update, so the model's weights and the optimizer's state are bit-identical to those
+    after the last good step.
+
+    Attributes:
+        step: index (0-based, counted over all epochs) of the last non-finite step.
+        epoch: index (0-based) of its epoch.
+        reports: the :class:`SkippedStep` records of the consecutive non-finite steps.
+        history: the :class:`TrainingHistory` up to and including ``step``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        step: int,
+        epoch: int,
+        reports: tuple[SkippedStep, ...] = (),
+        history: TrainingHistory | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.step = step
+        self.epoch = epoch
+        self.reports = tuple(reports)
+        self.history = history
+
+
+@dataclasses.dataclass(frozen=True)
+class SkippedStep:
+    """One step whose loss or gradients were not finite, and that applied no update.
+
+    Attributes:
+        step: index of the step (0-based, counted over all epochs), i.e. its position
+            in :attr:`TrainingHistory.step_loss`.
+        epoch: index (0-based) of its epoch.
+        loss: the step's loss (may itself be NaN or Inf).
+        gradients: a :class:`~companion.diagnostics.GradientReport` of the variables
+            whose gradient had NaN or Inf entries, with the counts; empty if only the
+            loss was non-finite. Under a distribution strategy these are the
+            gradients summed over replicas.
+        loss_scale: the dynamic loss scale used in that step (mixed float16), else
+            ``None``.
+    """
+
+    step: int
+    epoch: int
+    loss: float
+    gradients: GradientReport
+    loss_scale: float | None = None
+    grad_norm: float | None = None
+
+    def __str__(self) -> str:
+        scale = f", loss scale {self.loss_scale:g}" if self.loss_scale is not None else ""
+        return f"step {self.step} (epoch {self.epoch}): loss {self.loss:.6g}{scale}; {self.cause()}"
+
+    def cause(self) -> str:
+        """Why the step was skipped, in words."""
+        if self.gradients:
+            return "non-finite gradients: " + "; ".join(
+                f"{r.path} ({r.nan_count} NaN, {r.inf_count} Inf of {_size(r.shape)})" for r in self.gradients
+            )
+        if self.grad_norm is not None and math.isinf(self.grad_norm) and math.isfinite(self.loss):
+            return "all gradient entries finite, but their global norm overflows float32"
+        return "non-finite loss; all gradients finite"
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-compatible dict (used by the checkpoint)."""
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "loss": self.loss,
+            "loss_scale": self.loss_scale,
+            "grad_norm": self.grad_norm,
+            "gradients": [
+                {field.name: getattr(r, field.name) for field in dataclasses.fields(r)} for r in self.gradients
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "SkippedStep":
+        """Inverse of :meth:`to_dict`."""
+        records = [GradientRecord(**{**r, "shape": tuple(r["shape"])}) for r in data["gradients"]]
+        return cls(
+            step=int(data["step"]),
+            epoch=int(data["epoch"]),
+            loss=float(data["loss"]),
+            gradients=GradientReport(records),
+            loss_scale=data.get("loss_scale"),
+            grad_norm=data.get("grad_norm"),
+        )
+
+
+def _size(shape: tuple[int, ...]) -> int:
+    return int(np.prod(shape, dtype=np.int64)) if shape else 1
+
+
+@dataclasses.dataclass
+class TrainingHistory:
+    """What :func:`train` did, step by step.
+
+    All step indices are 0-based and count over all epochs, so ``step_loss[i]`` and
+    ``grad_norm[i]`` describe step ``i`` and ``skipped`` lists positions in them.
+
+    Attributes:
+        step_loss: the loss of every step, applied or skipped (a skipped step's loss
+            may be NaN or Inf).
+        grad_norm: the global gradient norm of every step, before clipping.
+        skipped: indices of the steps that applied no update.
+        reports: one :class:`SkippedStep` per skipped step: which variables had NaN or
+            Inf gradients, and how many entries.
+        epoch_loss: per completed epoch, the mean loss of its applied steps (NaN if
+            none was applied).
+        epoch_steps: per completed epoch, the number of steps.
+        loss_scale: with dynamic loss scaling (a ``mixed_float16`` model, or a
+            :class:`keras.optimizers.LossScaleOptimizer`), the loss scale used in each
+            step; empty otherwise.
+        loss_scale_stalled: ``True`` once the dynamic loss scale fell to 1 or below:
+            the non-finite gradients were then not an overflow that a smaller scale can
+            fix (a warning is issued at the same time).
+        xla: whether the steps ran XLA-compiled (``None`` before the first step).
+        update: how the last step's update was compiled (``None`` before the first
+            step): ``"masked"`` (one XLA function; every variable write selects between
+            the new and the old value), ``"whole"`` (one XLA function, the update under
+            a conditional), ``"split"`` (the update as an XLA function of its own, from
+            2**20 parameters on), or ``"graph"`` (several replicas, or no XLA). The
+            results are the same; only the speed differs (chapter *The guarded training
+            loop*).
+    """
+
+    step_loss: list[float] = dataclasses.field(default_factory=list)
+    grad_norm: list[float] = dataclasses.field(default_factory=list)
+    skipped: list[int] = dataclasses.field(default_factory=list)
+    reports: list[SkippedStep] = dataclasses.field(default_factory=list)
+    epoch_loss: list[float] = dataclasses.field(default_factory=list)
+    epoch_steps: list[int] = dataclasses.field(default_factory=list)
+    loss_scale: list[float] = dataclasses.field(default_factory=list)
+    loss_scale_stalled: bool = False
+    xla: bool | None = None
+    update: str | None = None
+
+    @property
+    def steps(self) -> int:
+        """Number of steps run (applied or skipped)."""
+        return len(self.step_loss)
+
+    @property
+    def epochs(self) -> int:
+        """Number of completed epochs."""
+        return len(self.epoch_loss)
+
+    def trailing_nonfinite(self) -> int:
+        """Number of consecutive skipped steps at the end of the history."""
+        count, expected = 0, self.steps - 1
+        for index in reversed(self.skipped):
+            if index != expected:
+                break
+            count, expected = count + 1, expected - 1
+        return count
+
+    def to_json(self) -> str:
+        """The history as a JSON string (NaN and Inf are written as JavaScript literals)."""
+        data = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        data["reports"] = [r.to_dict() for r in self.reports]
+        return json.dumps(data)
+
+    @classmethod
+    def from_json(cls, text: str) -> "TrainingHistory":
+        """Inverse of :meth:`to_json`."""
+        data = json.loads(text)
+        data["reports"] = [SkippedStep.from_dict(r) for r in data["reports"]]
+        return cls(**data)
+
+    def __str__(self) -> str:
+        last = f", last epoch loss {self.epoch_loss[-1]:.6g}" if self.epoch_loss else ""
+        return f"TrainingHistory({self.epochs} epochs, {self.steps} steps, {len(self.skipped)} skipped{last})"
+
+
+class WorkerLostError(RuntimeError):
+    """A worker of a multi-worker run lost a peer, so training stopped on this worker.
+
+    Raised by :func:`train` under ``tf.distribute.MultiWorkerMirroredStrategy`` when a
+    collective operation fails because another worker crashed, was stopped, became
+    unreachable, or did not reach the collective within the strategy's collective
+    timeout. TensorFlow then aborts every collective op of the process, so it cannot go
+    on: restart all workers. With ``checkpoint_dir`` they resume after the last
+    completed epoch; a failure during an epoch does not touch the checkpoints already
+    written.
+
+    Attributes:
+        task: this worker's task, e.g. ``"worker 1"``.
+        peers: the tasks TensorFlow named as the cause, e.g. ``("/job:worker/replica:0/task:0",)``
+            (empty if it did not say, as for a timeout).
+        epoch: index (0-based) of the epoch that was running.
+        checkpoint: the latest checkpoint in ``checkpoint_dir`` (where a restart resumes),
+            or ``None``.
+        history: the :class:`TrainingHistory` up to the last steps that completed.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        task: str,
+        peers: tuple[str, ...],
+        epoch: int,
+        checkpoint: str | None,
+        history: TrainingHistory,
+    ) -> None:
+        super().__init__(message)
+        self.task = task
+        self.peers = tuple(peers)
+        self.epoch = epoch
+        self.checkpoint = checkpoint
+        self.history = history

@@ -1,0 +1,57 @@
+"""Every example in a public docstring of companion runs and prints what it shows.
+
+One doctest per public object (the names in each submodule's ``__all__``, with their
+methods), run with the module's namespace plus ``keras``, ``np`` and ``tf``, which the
+examples use without importing.
+"""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import companion
+
+
+def _public_examples():
+    finder = doctest.DocTestFinder(exclude_empty=True)
+    for module_name in companion._SUBMODULES:
+        module = importlib.import_module(f"companion.{module_name}")
+        globs = {**vars(module), "keras": keras, "np": np, "tf": tf}
+        for name in getattr(module, "__all__", ()):
+            obj = getattr(module, name)
+            for test in finder.find(obj, f"companion.{module_name}.{name}", module=module, globs=globs):
+                if test.examples:
+                    yield pytest.param(test, id=test.name)
+
+
+EXAMPLES = list(_public_examples())
+
+
+@pytest.mark.parametrize("test", EXAMPLES)
+def test_docstring_example_runs(test):
+    report: list[str] = []
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
+    result = runner.run(test, out=report.append)
+    assert result.failed == 0, "".join(report)
+
+
+def test_the_examples_of_the_training_and_diagnostics_api_are_collected():
+    names = {param.values[0].name for param in EXAMPLES}
+    expected = {
+        "companion.training.train",
+        "companion.training.SkipNonFinite",
+        "companion.optimizers.SkipNonFinite",
+        "companion.diagnostics.nonfinite_gradients",
+        "companion.diagnostics.locate_nonfinite",
+        "companion.diagnostics.GradientReport",
+        "companion.numerics.double_where",
+        "companion.losses.resolve_loss",
+        "companion.losses.mean_loss",
+    }
+    assert expected <= names, sorted(expected - names)

@@ -1,0 +1,226 @@
+"""Canary tests of companion._tf_internals: one per private TensorFlow/Keras hook.
+
+Each test fails loudly when an upgrade of TensorFlow or Keras removes the private name
+a hook relies on, or stops calling it, so the hook is updated instead of the package
+silently taking its slower or less informative fall-back.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from companion import _tf_internals
+from companion.diagnostics import locate_nonfinite
+
+
+def _sgd_apply_graph(optimizer, variable):
+    @tf.function(autograph=False)
+    def apply(gradient):
+        optimizer.apply([gradient], [variable])
+
+    return apply.get_concrete_function(tf.TensorSpec(variable.shape, variable.dtype))
+
+
+def test_every_write_of_a_keras_optimizer_update_goes_through_the_interceptor():
+    variable = keras.Variable(np.ones(3, "float32"))
+    optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+    optimizer.build([variable])
+    seen = []
+
+    def rewrite(old, new):
+        seen.append(new.dtype)
+        return new
+
+    assert _tf_internals.variable_writes_interceptable()
+    with _tf_internals.intercept_variable_writes(rewrite):
+        graph = _sgd_apply_graph(optimizer, variable).graph
+    assigns = [op for op in graph.get_operations() if op.type == "AssignVariableOp"]
+    # The weight, the momentum and the iteration counter, each written through the hook.
+    assert len(seen) >= 3 and len(seen) == len(assigns)
+    assert not _tf_internals.variable_writes_patched()
+
+
+def test_the_write_interceptor_is_removed_when_two_threads_trace_at_once():
+    inside = threading.Barrier(2)
+    errors = []
+
+    def trace(leave_after: float):
+        try:
+            with _tf_internals.intercept_variable_writes(lambda old, new: new):
+                inside.wait(timeout=30)
+                threading.Event().wait(leave_after)
+        except Exception as error:  # pragma: no cover - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=trace, args=(delay,)) for delay in (0.05, 0.2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors
+    assert not _tf_internals.variable_writes_patched()
+
+
+def test_writes_of_a_thread_that_did_not_ask_are_not_rewritten():
+    variable = tf.Variable(1.0)
+    entered, done = threading.Event(), threading.Event()
+
+    def hold():
+        with _tf_internals.intercept_variable_writes(lambda old, new: old):  # would drop every write
+            entered.set()
+            done.wait(timeout=30)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    try:
+        assert entered.wait(timeout=30)
+        assert _tf_internals.variable_writes_patched()
+        tf.function(lambda: variable.assign(5.0), autograph=False)()
+        assert float(variable.numpy()) == 5.0
+    finally:
+        done.set()
+        thread.join(timeout=30)
+
+
+def test_keras_optimizers_record_the_variables_they_were_built_for():
+    mine, other = keras.Variable(np.ones(2, "float32")), keras.Variable(np.ones(2, "float32"))
+    optimizer = keras.optimizers.Adam()
+    optimizer.build([mine])
+    assert hasattr(optimizer, "_trainable_variables")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", _tf_internals.InternalAPIWarning)
+        assert _tf_internals.optimizer_variables_known(optimizer, [mine])
+        assert not _tf_internals.optimizer_variables_known(optimizer, [other])
+
+
+def test_keras_optimizers_all_reduce_through_the_method_the_loop_overrides():
+    variable = keras.Variable(np.ones(2, "float32"))
+    optimizer = keras.optimizers.SGD(0.5)
+    optimizer.build([variable])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", _tf_internals.InternalAPIWarning)
+        assert _tf_internals.can_skip_optimizer_all_reduce(optimizer)
+    calls = []
+    original = type(optimizer)._all_reduce_sum_gradients
+
+    def counting(self, pairs):
+        calls.append(len(list(pairs)))
+        return original(self, pairs)
+
+    optimizer._all_reduce_sum_gradients = counting.__get__(optimizer)
+    optimizer.apply([tf.ones(2)], [variable])
+    assert calls == [1]  # Keras still calls it, so the loop's override takes effect
+    del optimizer._all_reduce_sum_gradients
+    with _tf_internals.optimizer_all_reduce_skipped(optimizer):
+        assert optimizer._all_reduce_sum_gradients([(1, 2)]) == [(1, 2)]
+    assert "_all_reduce_sum_gradients" not in vars(optimizer)
+
+
+def test_keras_layers_flatten_nested_layers():
+    inner = keras.Sequential([keras.layers.Dense(2)])
+    model = keras.Sequential([keras.Input((3,)), inner, keras.layers.Dense(1)])
+    assert hasattr(model, "_flatten_layers")
+    layers = _tf_internals.all_layers(model)
+    dense = [layer for layer in layers if isinstance(layer, keras.layers.Dense)]
+    assert model in layers and inner in layers and len(dense) == 2
+
+
+def test_strategies_say_whether_they_span_several_workers():
+    assert callable(getattr(tf.distribute.get_strategy().extended, "_in_multi_worker_mode", None))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", _tf_internals.InternalAPIWarning)
+        assert not _tf_internals.in_multi_worker_mode(tf.distribute.get_strategy())
+
+
+def test_replica_context_all_reduce_support_is_reported():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", _tf_internals.InternalAPIWarning)
+        assert _tf_internals.strategy_supports_no_merge_call() in (True, False)
+    assert callable(tf.__internal__.distribute.strategy_supports_no_merge_call)
+
+
+def test_op_callbacks_see_eager_ops_and_check_numerics_state_is_readable():
+    seen = []
+    with _tf_internals.op_callback(lambda op_type, *args, **kwargs: seen.append(op_type)) as registered:
+        tf.math.log(tf.constant(2.0))
+    assert registered and any(b"Log" in t if isinstance(t, bytes) else "Log" in str(t) for t in seen)
+    assert _tf_internals.check_numerics_enabled() is False
+    tf.debugging.enable_check_numerics()
+    try:
+        assert _tf_internals.check_numerics_enabled() is True
+    finally:
+        tf.debugging.disable_check_numerics()
+
+
+def test_eager_backprop_names_the_forward_op_of_a_failing_gradient():
+    x = tf.Variable([0.0, 1.0])
+
+    def step():
+        with tf.GradientTape() as tape:
+            y = tf.reduce_sum(tf.sqrt(x))
+        return tape.gradient(y, x)
+
+    where = locate_nonfinite(step)
+    # phase from imperative_grad, gradient_of from backprop._gradient_function's op_name
+    assert (where.op_type, where.phase, where.gradient_of) == ("SqrtGrad", "gradient", "Sqrt")
+    # and the message text: dtype, shape and counts parsed
+    assert (where.dtype, where.shape, where.inf_count) == ("float32", (2,), 1)
+
+
+def test_xla_failure_text_is_recognised():
+    @tf.function(jit_compile=True)
+    def host_only(x):
+        return tf.numpy_function(lambda a: a, [x], tf.float32)
+
+    with pytest.raises(tf.errors.OpError) as caught:
+        host_only(tf.constant([1.0]))
+    assert _tf_internals.looks_like_xla_failure(caught.value)
+    assert _tf_internals.xla_failure_summary(caught.value) == "no XLA kernel for PyFunc"
+
+
+def test_collective_error_texts_are_summarised():
+    text = (
+        "{{function_node __inference_step_1}} Collective ops is aborted by: Socket closed\n"
+        "Additional GRPC error information from remote target /job:worker/replica:0/task:1"
+    )
+    assert _tf_internals.collective_error_summary(text) == "Socket closed"
+    assert _tf_internals.tasks_named_in(text + " /job:worker/replica:0/task:1") == ("/job:worker/replica:0/task:1",)
+
+
+def test_only_the_internals_module_names_private_tensorflow_or_keras_apis():
+    import ast
+    import pathlib
+
+    import companion
+
+    root = pathlib.Path(companion.__file__).parent
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "_tf_internals.py":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            where = f"{path.relative_to(root)}:{getattr(node, 'lineno', '?')}"
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(
+                ("tensorflow.python", "keras.src", "tensorflow.core")
+            ):
+                offenders.append(f"{where} imports {node.module}")
+            elif isinstance(node, ast.Import):
+                offenders += [
+                    f"{where} imports {a.name}" for a in node.names if a.name.startswith(("tensorflow.python", "keras.src"))
+                ]
+            elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                owner = node.value
+                # Our own objects: self/cls, and companion's private modules and helpers.
+                if isinstance(owner, ast.Name) and owner.id in ("self", "cls", "companion", "_tf_internals", "run"):
+                    continue
+                offenders.append(f"{where} uses .{node.attr}")
+            elif isinstance(node, ast.Attribute) and node.attr == "__internal__":
+                offenders.append(f"{where} uses tf.__internal__")
+    assert not offenders, "\n".join(offenders)
