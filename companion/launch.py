@@ -309,8 +309,9 @@ def tf_config(cluster: Mapping[str, Sequence[str]], index: int, task_type: str =
         ValueError: if ``cluster`` has no job ``task_type`` or ``index`` is out of range.
 
     Example:
-        >>> tf_config({"worker": ["127.0.0.1:23456", "127.0.0.1:23457"]}, 1)[-38:]
-        '"task": {"type": "worker", "index": 1}}'
+        >>> config = tf_config({"worker": ["127.0.0.1:23456", "127.0.0.1:23457"]}, 1)
+        >>> json.loads(config)["task"]
+        {'type': 'worker', 'index': 1}
     """
     tasks = cluster.get(task_type)
     if not tasks:
@@ -460,9 +461,13 @@ class _Namespace:
                 maker.kill()
                 raise _Unavailable(f"making a network namespace failed: {maker.stderr.read().strip()[-500:]!r}")
             kinds, self.name = answer[1].split(","), answer[2]
-            for kind in kinds:
-                self.fds[kind] = os.open(f"/proc/{maker.pid}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC)
-            if os.readlink(f"/proc/{maker.pid}/ns/net") != self.name:  # the maker is still the one
+            try:
+                for kind in kinds:
+                    self.fds[kind] = os.open(f"/proc/{maker.pid}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC)
+                same = os.readlink(f"/proc/{maker.pid}/ns/net") == self.name  # the maker is still the one
+            except OSError as error:
+                raise _Unavailable(f"cannot open the new namespaces ({error})") from None
+            if not same:
                 raise _Unavailable("the process that made the network namespace vanished")
         except BaseException:
             self.close()

@@ -9,6 +9,7 @@ machine's own network namespace. Every launch has a timeout, and every wait a bo
 
 from __future__ import annotations
 
+import doctest
 import json
 import os
 import pathlib
@@ -146,6 +147,15 @@ def test_tf_config_and_cluster_spec():
         tf_config(cluster, 2)
     with pytest.raises(ValueError, match="no 'chief' job"):
         tf_config(cluster, 0, task_type="chief")
+
+
+def test_docstring_examples_run():
+    finder = doctest.DocTestFinder()
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+    tests = [t for name in launch_module.__all__ for t in finder.find(getattr(launch_module, name), name)]
+    for test in tests:
+        runner.run(test)
+    assert runner.failures == 0 and runner.tries >= 5
 
 
 # --------------------------------------------------------------------------------------
