@@ -911,7 +911,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--max-restarts",
         type=int,
         default=0,
-        help="after a failure, start the whole group again up to this many times (default: 0)",
+        help="after a failure, start the whole group again up to this many times (default: 0); "
+        "a script that trains with checkpoint_dir resumes from its last checkpoint",
     )
     parser.add_argument(
         "--allow-network-exposure",

@@ -467,3 +467,59 @@ def test_sigterm_to_the_command_line_launcher_stops_every_worker(tmp_path):
     launcher.stderr.close()
     for pid in pids:
         assert not os.path.exists(f"/proc/{pid}"), f"worker {pid} is still running"
+
+
+# A training script whose worker 1 dies (SIGKILL) after epoch 2 of the first attempt only.
+TRAINING = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    from companion.training import train
+
+    out, restart = sys.argv[1], int(os.environ["COMPANION_RESTART_COUNT"])
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    worker = strategy.cluster_resolver.task_id
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 3)).astype("float32")
+    y = x @ np.array([[1.0], [2.0], [-1.0]], "float32")
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        optimizer = keras.optimizers.SGD(0.1)
+    run = lambda epochs: train(model, data, loss="mse", optimizer=optimizer, epochs=epochs,
+                               checkpoint_dir=os.path.join(out, "checkpoints"), verbose=2,
+                               jit_compile=False)
+    if restart == 0:
+        run(2)
+        if worker == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+    history = run(4)
+    with open(os.path.join(out, f"worker-{worker}-restart-{restart}.json"), "w") as file:
+        json.dump({"steps": len(history.step_loss), "iterations": int(optimizer.iterations.numpy())}, file)
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_restarted_training_job_resumes_from_its_checkpoint(tmp_path):
+    pytest.importorskip("tensorflow")
+    script = tmp_path / "train_script.py"
+    script.write_text(TRAINING)
+    env = {"CUDA_VISIBLE_DEVICES": "", "PYTHONHASHSEED": "0"}
+    # Worker 0 then leaves train with WorkerLostError, or is stopped 20 s later: either
+    # way the launcher restarts both (how fast a survivor exits is train's business).
+    result = launch(script, 2, [str(tmp_path)], timeout=400, grace=20, max_restarts=1, env=env)
+    assert result.ok and result.restarts == 1, outputs(result)
+    crashed = result.failed_attempts[0]
+    assert crashed.first_failure.index == 1 and crashed.first_failure.signal == signal.SIGKILL
+    assert crashed.failure.startswith("worker 1 failed first: killed by SIGKILL (signal 9)")
+    assert crashed.workers[0].returncode != 0
+    # The restart ran epochs 3 and 4 only, after the checkpoint of epoch 2.
+    epochs = [line for line in result.workers[0].output.splitlines() if line.startswith("Epoch ")]
+    assert epochs == ["Epoch 3/4", "Epoch 4/4"], result.workers[0].output[-2000:]
+    for index in range(2):
+        report = json.loads((tmp_path / f"worker-{index}-restart-1.json").read_text())
+        assert report == {"steps": 4 * 4, "iterations": 4 * 4}
