@@ -821,27 +821,28 @@ def _wait(processes, deadline: float | None, grace: float) -> tuple[list[float],
         time.sleep(0.02)
 
 
-def _signal_group(process: subprocess.Popen, signum: int) -> None:
-    """Send ``signum`` to the worker and whatever it started (its own session), if it still runs."""
+def _signal_group(process: subprocess.Popen, kill: bool) -> None:
+    """SIGTERM (or SIGKILL) the worker and whatever it started (its own session), if it runs."""
     if process.poll() is not None:
         return
-    try:
-        os.killpg(process.pid, signum)
-    except (ProcessLookupError, PermissionError):
-        with contextlib.suppress(ProcessLookupError):
-            process.send_signal(signum)
+    if hasattr(os, "killpg"):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL if kill else signal.SIGTERM)
+            return
+    with contextlib.suppress(ProcessLookupError):
+        process.kill() if kill else process.terminate()
 
 
 def _stop(processes) -> None:
     """SIGTERM every process, and SIGKILL those still running after ``_TERMINATE_SECONDS``."""
     for process in processes:
-        _signal_group(process, signal.SIGTERM)
+        _signal_group(process, kill=False)
     deadline = time.monotonic() + _TERMINATE_SECONDS
     for process in processes:
         try:
             process.wait(timeout=max(deadline - time.monotonic(), 0.01))
         except subprocess.TimeoutExpired:
-            _signal_group(process, signal.SIGKILL)
+            _signal_group(process, kill=True)
             process.wait()
 
 
