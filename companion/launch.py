@@ -706,7 +706,8 @@ def launch(
         finally:
             if namespace is not None:
                 namespace.close()
-        if attempt.ok or attempt.timed_out or len(failed) >= max_restarts:
+        out_of_time = timeout is not None and time.monotonic() - started >= timeout
+        if attempt.ok or attempt.timed_out or out_of_time or len(failed) >= max_restarts:
             return dataclasses.replace(attempt, failed_attempts=tuple(failed))
         failed.append(attempt)
         if echo:
