@@ -123,7 +123,7 @@ class WorkerResult:
 
     @property
     def reason(self) -> str:
-        """How it ended, in words: ``"exit code 3"``, ``"killed by SIGKILL (signal 9)"``."""
+        """How it ended, in words, e.g. ``"exit code 3"`` or ``"killed by SIGKILL (signal 9)"``."""
         if self.signal is None:
             text = f"exit code {self.returncode}"
         else:
