@@ -1,4 +1,4 @@
-"""Start the workers of a multi-worker TensorFlow job on this machine, to try it out.
+"""Start and supervise the workers of a multi-worker TensorFlow job on this machine.
 
 ``tf.distribute.MultiWorkerMirroredStrategy`` learns where it runs from the ``TF_CONFIG``
 environment variable: a JSON object with the addresses of all workers (the *cluster*) and
@@ -9,20 +9,41 @@ the index of the current one (the *task*)::
 
 Every worker runs the same script with its own ``TF_CONFIG``; worker 0 is the *chief*.
 On a cluster, a job scheduler (Kubernetes, Slurm, ...) sets ``TF_CONFIG`` on each
-machine. :func:`launch` does it on one machine, with every worker on ``127.0.0.1`` and a
-free port, so that nothing leaves the loopback interface::
+machine. :func:`launch` does it on one machine, to try a script out::
 
     python -m companion.launch --workers 2 train_script.py --epochs 3
 
-The output of worker ``i`` is printed with the prefix ``[worker i]``. The launcher's exit
-code is 0 if every worker exited with 0; if a worker fails, the others get ``--grace``
-seconds to exit by themselves (a worker of a synchronous job notices a lost peer at its
-next collective, see :func:`companion.training.train`) and are then stopped; Ctrl-C and
-``--timeout`` stop all of them.
+**What the workers expose.** Each worker starts TensorFlow's gRPC server, which listens
+on *every* interface of its network (``*:port``), whatever host the cluster names:
+``127.0.0.1`` in ``TF_CONFIG`` does not keep it on the loopback interface. That server
+has no authentication and runs the graphs it is sent, so TensorFlow's security guide
+(``SECURITY.md``, "Running a TensorFlow server") requires the cluster to live in an
+isolated network: anybody who can reach the port can run code as the worker. Therefore,
+on Linux, :func:`launch` runs the workers in a network of their own: a new, unprivileged
+user and network namespace (what ``unshare --user --map-current-user --net`` makes),
+whose only interface is the loopback ``lo``. The workers reach each other there, and
+nothing outside the job can reach them, not even a process of the same machine;
+:attr:`LaunchResult.isolated` and :func:`network_isolation` say whether that happened.
+The price: the workers have no other network either (no downloads, no ``gs://``
+checkpoints); fetch data before the launch. Where no such namespace can be made (macOS,
+Windows, a kernel or container without user namespaces), :func:`launch` refuses to
+start unless given ``allow_network_exposure=True`` (``--allow-network-exposure``), and
+then warns once.
+
+**Supervision**, as ``torchrun`` does it: the output of worker ``i`` is kept (and printed
+with the prefix ``[worker i]`` by the command line); when a worker fails, the others get
+``grace`` seconds to exit by themselves (a worker of a synchronous job notices a lost peer
+at its next collective, see :func:`companion.training.train`) and are then stopped
+(SIGTERM, then SIGKILL); the result says which worker failed first and how. With
+``max_restarts`` > 0 the whole group is then started again, at most that many times: a
+script that trains with ``checkpoint_dir`` resumes after its last completed epoch.
+Ctrl-C, SIGTERM to the command-line launcher, and ``timeout`` stop every worker.
 
 One machine has one set of devices: on a machine with a GPU, give each worker its own
 (``CUDA_VISIBLE_DEVICES``) or none (``CUDA_VISIBLE_DEVICES=""``), or the workers compete
 for the same memory.
+
+Derived in the chapter *Training across machines* (``book/tools/training_across_machines``).
 """
 
 from __future__ import annotations
@@ -30,21 +51,45 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import ipaddress
 import json
 import os
+import select
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import warnings
 from typing import Any, Mapping, Sequence
 
-__all__ = ["LaunchResult", "WorkerResult", "cluster_spec", "free_ports", "launch", "main", "tf_config"]
+__all__ = [
+    "LaunchResult",
+    "NetworkIsolation",
+    "NetworkIsolationError",
+    "WorkerResult",
+    "cluster_spec",
+    "free_ports",
+    "launch",
+    "main",
+    "network_isolation",
+    "tf_config",
+]
 
 #: Seconds a stopped worker gets between SIGTERM and SIGKILL.
 _TERMINATE_SECONDS = 3.0
+#: Seconds the process that creates a job's namespace may take to answer.
+_NAMESPACE_SECONDS = 20.0
 #: Exit code of the command-line launcher when ``--timeout`` expired (as ``timeout(1)``).
 TIMEOUT_EXIT_CODE = 124
+#: Environment variable that tells a worker how many times its group was restarted.
+RESTART_COUNT_VARIABLE = "COMPANION_RESTART_COUNT"
+
+
+# --------------------------------------------------------------------------------------
+# Results
+# --------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +100,7 @@ class WorkerResult:
         index: the worker's task index (``TF_CONFIG["task"]["index"]``); 0 is the chief.
         returncode: its exit code; negative if it was ended by a signal (``-9``: killed).
         output: everything it wrote to stdout and stderr, interleaved, without prefixes.
-        seconds: time from the start of the launch until it exited.
+        seconds: time from the start of its attempt (of the group's start) until it exited.
         stopped: ``True`` if the launcher stopped it (another worker failed and the grace
             period expired, the timeout expired, or Ctrl-C).
     """
@@ -71,23 +116,52 @@ class WorkerResult:
         """Whether the worker exited with code 0."""
         return self.returncode == 0
 
+    @property
+    def signal(self) -> int | None:
+        """The number of the signal that ended the worker, or ``None`` if it exited."""
+        return -self.returncode if self.returncode < 0 else None
+
+    @property
+    def reason(self) -> str:
+        """How it ended, in words, e.g. ``"exit code 3"`` or ``"killed by SIGKILL (signal 9)"``."""
+        if self.signal is None:
+            text = f"exit code {self.returncode}"
+        else:
+            try:
+                name = signal.Signals(self.signal).name
+            except ValueError:
+                name = "an unknown signal"
+            text = f"killed by {name} (signal {self.signal})"
+        return f"{text}, stopped by the launcher" if self.stopped else text
+
 
 @dataclasses.dataclass(frozen=True)
 class LaunchResult:
-    """The outcome of :func:`launch`.
+    """The outcome of :func:`launch`: its last attempt, and the attempts before it.
 
     Attributes:
-        workers: one :class:`WorkerResult` per worker, in task order.
+        workers: one :class:`WorkerResult` per worker of this attempt, in task order.
         cluster: the cluster the workers were given (``{"worker": ["host:port", ...]}``).
-        seconds: wall time from the start of the first worker until the last one exited.
+        seconds: wall time from the start of the launch until the last worker of this
+            attempt exited (for the result :func:`launch` returns: the whole launch).
         timed_out: whether the launch's ``timeout`` expired (the workers still running
             were then stopped).
+        isolated: whether the workers ran in a private network namespace with only a
+            loopback interface (see :func:`network_isolation`).
+        network_namespace: that namespace as the kernel names it (``"net:[4026532178]"``,
+            compare with ``os.readlink("/proc/self/ns/net")``); ``None`` if not isolated.
+        failed_attempts: the earlier attempts of this launch, each a failed
+            :class:`LaunchResult`, after which the whole group was restarted
+            (``max_restarts``); empty if the first attempt is this one.
     """
 
     workers: tuple[WorkerResult, ...]
     cluster: dict[str, list[str]]
     seconds: float
     timed_out: bool = False
+    isolated: bool = False
+    network_namespace: str | None = None
+    failed_attempts: tuple[LaunchResult, ...] = ()
 
     @property
     def returncodes(self) -> list[int]:
@@ -100,10 +174,29 @@ class LaunchResult:
         return not self.timed_out and all(worker.ok for worker in self.workers)
 
     @property
+    def restarts(self) -> int:
+        """How many times the whole group was restarted."""
+        return len(self.failed_attempts)
+
+    @property
     def first_failure(self) -> WorkerResult | None:
         """The worker that failed first (by exit time), excluding workers the launcher stopped."""
         failed = [w for w in self.workers if not w.ok and not w.stopped] or [w for w in self.workers if not w.ok]
         return min(failed, key=lambda w: w.seconds) if failed else None
+
+    @property
+    def failure(self) -> str | None:
+        """Who failed first and why, in words; ``None`` if :attr:`ok`.
+
+        For example ``"worker 1 failed first: exit code 3 after 0.4 s"``.
+        """
+        if self.ok:
+            return None
+        first = self.first_failure
+        if self.timed_out and (first is None or first.stopped):
+            return "the timeout expired and the launcher stopped every worker still running"
+        text = f"worker {first.index} failed first: {first.reason} after {first.seconds:.1f} s"
+        return f"{text}, and then the timeout expired" if self.timed_out else text
 
     @property
     def returncode(self) -> int:
@@ -120,9 +213,17 @@ class LaunchResult:
         return 128 - code if code < 0 else code
 
     def __str__(self) -> str:
-        parts = [f"worker {w.index}: exit {w.returncode} after {w.seconds:.1f} s" for w in self.workers]
-        timed_out = ", timed out" if self.timed_out else ""
-        return f"LaunchResult({'; '.join(parts)}{timed_out})"
+        parts = [f"worker {w.index}: {w.reason} after {w.seconds:.1f} s" for w in self.workers]
+        extras = [", timed out"] if self.timed_out else []
+        if self.restarts:
+            extras.append(f", {self.restarts} restart{'s' if self.restarts > 1 else ''}")
+        extras.append(", isolated" if self.isolated else ", not isolated")
+        return f"LaunchResult({'; '.join(parts)}{''.join(extras)})"
+
+
+# --------------------------------------------------------------------------------------
+# The cluster
+# --------------------------------------------------------------------------------------
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
@@ -130,7 +231,8 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
     The operating system picks them (a bind to port 0); they are released before this
     function returns, so another program could take one in between: fine on a test
-    machine, not a reservation.
+    machine, not a reservation. (In the private network of an isolated launch every port
+    is free anyway.)
 
     Args:
         count: how many ports, >= 1.
@@ -141,6 +243,11 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
     Raises:
         ValueError: if ``count`` < 1.
+
+    Example:
+        >>> ports = free_ports(2)
+        >>> len(set(ports)), all(0 < port < 65536 for port in ports)
+        (2, True)
     """
     count = _check_count("count", count)
     with contextlib.ExitStack() as stack:
@@ -155,9 +262,13 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 def cluster_spec(workers: int, *, host: str = "127.0.0.1", ports: Sequence[int] | None = None) -> dict[str, list[str]]:
     """The ``cluster`` part of ``TF_CONFIG`` for ``workers`` workers on one host.
 
+    The host is where the workers *connect* to each other. TensorFlow's server listens on
+    every interface whatever host is named here: ``127.0.0.1`` does not make a worker
+    unreachable from other machines (:func:`launch` isolates the workers' network instead).
+
     Args:
         workers: number of workers, >= 1.
-        host: their address; the default keeps every connection on the loopback interface.
+        host: their address.
         ports: one port per worker; default: free ports (:func:`free_ports`).
 
     Returns:
@@ -166,6 +277,10 @@ def cluster_spec(workers: int, *, host: str = "127.0.0.1", ports: Sequence[int] 
     Raises:
         ValueError: if ``workers`` < 1 or ``ports`` does not hold ``workers`` distinct
             ports in 1..65535.
+
+    Example:
+        >>> cluster_spec(2, ports=[23456, 23457])
+        {'worker': ['127.0.0.1:23456', '127.0.0.1:23457']}
     """
     workers = _check_count("workers", workers)
     if ports is None:
@@ -192,6 +307,11 @@ def tf_config(cluster: Mapping[str, Sequence[str]], index: int, task_type: str =
 
     Raises:
         ValueError: if ``cluster`` has no job ``task_type`` or ``index`` is out of range.
+
+    Example:
+        >>> config = tf_config({"worker": ["127.0.0.1:23456", "127.0.0.1:23457"]}, 1)
+        >>> json.loads(config)["task"]
+        {'type': 'worker', 'index': 1}
     """
     tasks = cluster.get(task_type)
     if not tasks:
@@ -202,6 +322,252 @@ def tf_config(cluster: Mapping[str, Sequence[str]], index: int, task_type: str =
     return json.dumps(config)
 
 
+# --------------------------------------------------------------------------------------
+# Network isolation
+# --------------------------------------------------------------------------------------
+
+
+class NetworkIsolationError(RuntimeError):
+    """:func:`launch` cannot isolate the workers' network and was not allowed to expose it.
+
+    Attributes:
+        reason: why no private network could be made on this machine.
+    """
+
+    def __init__(self, reason: str):
+        self.reason = reason
+        super().__init__(
+            f"cannot run the workers in a private network: {reason}. TensorFlow's server "
+            "listens on every network interface, has no authentication and runs the graphs "
+            "it is sent (TensorFlow's SECURITY.md: 'you must isolate the network in which "
+            "the cluster lives'). To run the workers on this machine's network anyway, on a "
+            "network you trust or behind a firewall that blocks their ports, pass "
+            "allow_network_exposure=True (command line: --allow-network-exposure)."
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class NetworkIsolation:
+    """Whether :func:`launch` can run workers in a private network on this machine.
+
+    Attributes:
+        available: ``True`` if a network namespace with only a loopback interface could
+            be made (and was removed again).
+        reason: how (``"a new user and network namespace with only 'lo'"``), or why not.
+    """
+
+    available: bool
+    reason: str
+
+    def __bool__(self) -> bool:
+        return self.available
+
+
+class _Unavailable(Exception):
+    """No private network namespace can be made here; the message says why."""
+
+
+# The process that makes a job's namespaces. It runs as ``python -I -S -c _MAKE_NAMESPACE``
+# (no site-packages: it starts in milliseconds), single-threaded as unshare(2) requires
+# for a user namespace: it makes a user namespace (in which it may configure the network
+# without privileges) and a network namespace owned by it, maps its own user and group id
+# to themselves (as ``unshare --map-current-user``), brings the loopback interface up,
+# answers "ok <namespaces> <net namespace>" and waits until the launcher has opened its
+# namespaces (it closes our stdin). Without user namespaces a privileged caller still gets
+# a network namespace alone.
+_MAKE_NAMESPACE = r"""
+import ctypes, fcntl, os, socket, struct, sys
+NEWUSER, NEWNET = 0x10000000, 0x40000000
+libc = ctypes.CDLL(None, use_errno=True)
+def answer(text):
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+def fail(text):
+    answer("error " + text)
+    sys.exit(1)
+uid, gid = os.getuid(), os.getgid()
+kinds = "user,net"
+if libc.unshare(NEWUSER | NEWNET) != 0:
+    first = os.strerror(ctypes.get_errno())
+    if libc.unshare(NEWNET) != 0:
+        fail("the kernel refused a new user and network namespace (%s) and a network "
+             "namespace alone (%s)" % (first, os.strerror(ctypes.get_errno())))
+    kinds = "net"
+else:
+    try:
+        for name, text in (("setgroups", "deny"), ("uid_map", "%d %d 1" % (uid, uid)),
+                           ("gid_map", "%d %d 1" % (gid, gid))):
+            with open("/proc/self/" + name, "w") as file:
+                file.write(text)
+    except OSError as error:
+        fail("cannot map the user id into a new user namespace (%s)" % error)
+try:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        request = struct.pack("16sh", b"lo", 0)
+        flags = struct.unpack("16sh", fcntl.ioctl(sock.fileno(), 0x8913, request))[1]  # SIOCGIFFLAGS
+        fcntl.ioctl(sock.fileno(), 0x8914, struct.pack("16sh", b"lo", flags | 1))  # SIOCSIFFLAGS IFF_UP
+except OSError as error:
+    fail("cannot bring up the loopback interface of a new network namespace (%s)" % error)
+answer("ok %s %s" % (kinds, os.readlink("/proc/self/ns/net")))
+sys.stdin.read()
+"""
+
+# What starts a worker in the job's namespaces: ``python -I -S -c _ENTER_NAMESPACE
+# <fd,kind>... -- command...`` joins each namespace whose file descriptor it inherited
+# (setns(2)), checks that it is in the job's network namespace, and becomes the worker
+# (execv): the worker's process id is this one's.
+_ENTER_NAMESPACE = r"""
+import ctypes, os, sys
+FLAGS = {"user": 0x10000000, "net": 0x40000000}
+libc = ctypes.CDLL(None, use_errno=True)
+separator = sys.argv.index("--")
+expected, entries, command = sys.argv[1], sys.argv[2:separator], sys.argv[separator + 1:]
+for entry in entries:
+    fd, kind = entry.split(",")
+    if libc.setns(int(fd), FLAGS[kind]) != 0:
+        sys.stderr.write("companion.launch: cannot enter the job's %s namespace: %s\n"
+                         % (kind, os.strerror(ctypes.get_errno())))
+        os._exit(125)
+    os.close(int(fd))
+if os.readlink("/proc/self/ns/net") != expected:
+    sys.stderr.write("companion.launch: not in the job's network namespace %s\n" % expected)
+    os._exit(125)
+os.execvp(command[0], command)
+"""
+
+
+class _Namespace:
+    """A private user + network namespace with only ``lo``, held open by file descriptors."""
+
+    def __init__(self) -> None:
+        if not sys.platform.startswith("linux"):
+            raise _Unavailable(f"network namespaces are a Linux feature, and this is {sys.platform}")
+        maker = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _MAKE_NAMESPACE],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.fds: dict[str, int] = {}
+        try:
+            ready, _, _ = select.select([maker.stdout], [], [], _NAMESPACE_SECONDS)
+            answer = maker.stdout.readline().split() if ready else []
+            if answer[:1] != ["ok"]:
+                if not ready:
+                    raise _Unavailable(f"making a network namespace took more than {_NAMESPACE_SECONDS:g} s")
+                if answer[:1] == ["error"]:
+                    raise _Unavailable(" ".join(answer[1:]))
+                maker.kill()
+                raise _Unavailable(f"making a network namespace failed: {maker.stderr.read().strip()[-500:]!r}")
+            kinds, self.name = answer[1].split(","), answer[2]
+            try:
+                for kind in kinds:
+                    self.fds[kind] = os.open(f"/proc/{maker.pid}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC)
+                same = os.readlink(f"/proc/{maker.pid}/ns/net") == self.name  # the maker is still the one
+            except OSError as error:
+                raise _Unavailable(f"cannot open the new namespaces ({error})") from None
+            if not same:
+                raise _Unavailable("the process that made the network namespace vanished")
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            with contextlib.suppress(OSError):
+                maker.stdin.close()
+            try:
+                maker.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                maker.kill()
+                maker.wait()
+            maker.stdout.close()
+            maker.stderr.close()
+
+    @property
+    def description(self) -> str:
+        what = "a new user and network namespace" if "user" in self.fds else "a new network namespace"
+        return f"{what} with only 'lo'"
+
+    def command(self, command: Sequence[str]) -> tuple[list[str], tuple[int, ...]]:
+        """The command that runs ``command`` in this namespace, and the descriptors to pass."""
+        order = [kind for kind in ("user", "net") if kind in self.fds]  # user first: it owns net
+        entries = [f"{self.fds[kind]},{kind}" for kind in order]
+        return [sys.executable, "-I", "-S", "-c", _ENTER_NAMESPACE, self.name, *entries, "--", *command], tuple(
+            self.fds[kind] for kind in order
+        )
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds = {}
+
+
+def _create_namespace() -> _Namespace:
+    """A new private network namespace; raises ``_Unavailable`` with the reason if impossible.
+
+    The one place where isolation is attempted: a test simulates a machine without
+    namespaces by replacing this function with one that raises ``_Unavailable``.
+    """
+    return _Namespace()
+
+
+def network_isolation() -> NetworkIsolation:
+    """Whether :func:`launch` can run workers in a private, loopback-only network here.
+
+    It tries: it makes such a namespace (a new unprivileged user and network namespace on
+    Linux) and removes it again, in a few milliseconds.
+
+    Returns:
+        A :class:`NetworkIsolation`: ``available``, and how or why not (``reason``).
+
+    Example:
+        >>> status = network_isolation()
+        >>> status.available in (True, False) and bool(status.reason)
+        True
+    """
+    try:
+        namespace = _create_namespace()
+    except _Unavailable as error:
+        return NetworkIsolation(False, str(error))
+    description = namespace.description
+    namespace.close()
+    return NetworkIsolation(True, description)
+
+
+_exposure_warned = False
+
+
+def _warn_exposure(reason: str) -> None:
+    global _exposure_warned
+    if _exposure_warned:
+        return
+    _exposure_warned = True
+    warnings.warn(
+        f"companion.launch: the workers run on this machine's network, because no private "
+        f"network can be made here ({reason}). Their TensorFlow servers listen on every "
+        "interface, without authentication, and run the graphs they are sent: anybody who "
+        "can reach their ports can run code as the workers (TensorFlow's SECURITY.md). "
+        "Block the ports with a firewall, or use a trusted network only. (Warned once.)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+# --------------------------------------------------------------------------------------
+# launch
+# --------------------------------------------------------------------------------------
+
+
 def launch(
     script: str | os.PathLike,
     workers: int = 2,
@@ -209,49 +575,80 @@ def launch(
     *,
     timeout: float | None = None,
     grace: float = 30.0,
+    max_restarts: int = 0,
     env: Mapping[str, str] | None = None,
     host: str = "127.0.0.1",
     ports: Sequence[int] | None = None,
     echo: bool = False,
     cwd: str | os.PathLike | None = None,
     python: str | None = None,
+    isolate: bool = True,
+    allow_network_exposure: bool = False,
 ) -> LaunchResult:
     """Run ``python script *args`` as ``workers`` local workers of one ``TF_CONFIG`` cluster.
 
     Each worker is a new process with the environment of this one, plus ``env``, plus
     ``TF_CONFIG`` (its task index is its position in the cluster, worker 0 being the
-    chief) and ``PYTHONUNBUFFERED=1``; ``TF_CPP_MIN_LOG_LEVEL`` defaults to ``2``.
-    The call returns when every worker has exited. When one exits with a non-zero code,
-    the others get ``grace`` seconds to exit by themselves and are then stopped (SIGTERM,
-    then SIGKILL); when ``timeout`` expires, or on Ctrl-C, all are stopped (Ctrl-C is
-    re-raised after that).
+    chief), ``COMPANION_RESTART_COUNT`` (0, then 1 after the first restart, ...) and
+    ``PYTHONUNBUFFERED=1``; ``TF_CPP_MIN_LOG_LEVEL`` defaults to ``2``.
+
+    Network: every worker's TensorFlow server listens on all interfaces (``*:port``),
+    whatever ``host`` says, and runs any graph it is sent (see the module's
+    documentation). So by default (``isolate=True``) the workers run in a new network
+    namespace whose only interface is the loopback ``lo`` (Linux; a new unprivileged user
+    namespace makes it possible without root): they reach each other, nothing outside the
+    job reaches them, and they reach nothing else. Where that is impossible,
+    :class:`NetworkIsolationError` is raised, unless ``allow_network_exposure=True``:
+    then the workers run on this machine's network, after a warning (once per process).
+
+    Supervision: the call returns when every worker has exited. When one exits with a
+    non-zero code, the others get ``grace`` seconds to exit by themselves and are then
+    stopped (SIGTERM, then SIGKILL 3 s later). If restarts are left (``max_restarts``),
+    all workers are then started again, in a new namespace; a script that trains with
+    ``checkpoint_dir`` resumes from its last checkpoint. When ``timeout`` expires, or on
+    Ctrl-C, all are stopped and nothing is restarted (Ctrl-C is re-raised after that).
 
     Args:
         script: path of the Python script every worker runs.
         workers: number of workers, >= 1.
         args: command-line arguments passed to every worker's script.
-        timeout: seconds after which the workers still running are stopped; ``None``
-            waits for ever.
+        timeout: seconds after which the workers still running are stopped, counted from
+            the start of the launch, restarts included; ``None`` waits for ever.
         grace: seconds the other workers get, after one failed, to exit by themselves.
+        max_restarts: how many times the whole group may be restarted after a failure.
         env: extra environment variables of the workers (e.g. ``{"CUDA_VISIBLE_DEVICES": ""}``).
-        host: the address the workers listen on.
+        host: the address the workers connect to each other at (they *listen* on every
+            interface); must be a loopback address when ``isolate``.
         ports: one port per worker; default: free ports.
-        echo: print every line the workers write, prefixed with ``[worker i]``, as it comes.
+        echo: print every line the workers write, prefixed with ``[worker i]``, as it
+            comes, and what the launcher does, prefixed with ``[launch]``.
         cwd: working directory of the workers; default: the current one.
         python: the interpreter; default: the one running this function.
+        isolate: run the workers in a private network namespace (see above). ``False``
+            runs them on this machine's network, and needs ``allow_network_exposure``.
+        allow_network_exposure: accept that the workers' servers are reachable from this
+            machine's network when they cannot be isolated (or ``isolate=False``).
 
     Returns:
-        A :class:`LaunchResult` with every worker's exit code and output.
+        A :class:`LaunchResult` with every worker's exit code and output, who failed
+        first (:attr:`~LaunchResult.failure`), whether the network was isolated, and the
+        earlier attempts if the group was restarted.
 
     Raises:
-        ValueError: if ``workers`` < 1, ``timeout`` or ``grace`` is negative, or ``ports``
-            is not one free port per worker.
+        ValueError: if ``workers`` < 1, ``timeout`` or ``grace`` is negative,
+            ``max_restarts`` < 0, ``ports`` is not one free port per worker, ``host`` is
+            not a loopback address while ``isolate``, or ``isolate=False`` without
+            ``allow_network_exposure=True``.
+        TypeError: if ``workers`` or ``max_restarts`` is not an int, or ``args`` is a
+            string.
         FileNotFoundError: if ``script`` does not exist.
+        NetworkIsolationError: if ``isolate`` and no private network can be made here,
+            without ``allow_network_exposure=True``.
 
     Example:
         >>> result = launch("train_script.py", workers=2, timeout=300)  # doctest: +SKIP
-        >>> result.ok, result.returncodes  # doctest: +SKIP
-        (True, [0, 0])
+        >>> result.ok, result.returncodes, result.isolated  # doctest: +SKIP
+        (True, [0, 0], True)
     """
     workers = _check_count("workers", workers)
     script = os.fspath(script)
@@ -260,25 +657,82 @@ def launch(
     for name, value in (("timeout", timeout), ("grace", grace)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
             raise ValueError(f"{name} must be a number >= 0{' or None' if name == 'timeout' else ''}, got {value!r}")
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int):
+        raise TypeError(f"max_restarts must be an int, got {type(max_restarts).__name__} {max_restarts!r}")
+    if max_restarts < 0:
+        raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
     if isinstance(args, (str, bytes)):
         raise TypeError(f"args must be a sequence of strings, e.g. ['--epochs', '3'], got the string {args!r}")
+    if not isolate and not allow_network_exposure:
+        raise ValueError(
+            "isolate=False runs the workers' TensorFlow servers on this machine's network, where "
+            "anybody who reaches their ports can run code as them; pass "
+            "allow_network_exposure=True as well to do that"
+        )
+    if isolate and not _is_loopback(host):
+        raise ValueError(
+            f"host must be a loopback address (e.g. '127.0.0.1') when the workers run in a "
+            f"private network, which has only the loopback interface; got {host!r}"
+        )
     args = [os.fspath(a) if isinstance(a, os.PathLike) else str(a) for a in args]
     cluster = cluster_spec(workers, host=host, ports=ports)
     command = [python or sys.executable, script, *args]
+    base_env = {**os.environ, **(env or {})}
+    base_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    base_env["PYTHONUNBUFFERED"] = "1"
 
+    started = time.monotonic()
+    failed: list[LaunchResult] = []
+    while True:
+        namespace = None
+        if isolate and (failed == [] or failed[-1].isolated):
+            try:
+                namespace = _create_namespace()
+            except _Unavailable as error:
+                if failed:  # it worked for the first attempt: not a property of the machine
+                    raise NetworkIsolationError(str(error)) from None
+                if not allow_network_exposure:
+                    raise NetworkIsolationError(str(error)) from None
+                if echo:
+                    print(f"[launch] WARNING: the workers are NOT isolated: {error}", flush=True)
+                _warn_exposure(str(error))
+        if echo:
+            where = f"in {namespace.description} ({namespace.name})" if namespace else "on this machine's network"
+            print(f"[launch] starting {workers} worker{'s' if workers > 1 else ''} {where}", flush=True)
+        try:
+            attempt = _run_group(
+                command, cluster, base_env, len(failed), namespace, started, timeout, grace, echo, cwd
+            )
+        finally:
+            if namespace is not None:
+                namespace.close()
+        out_of_time = timeout is not None and time.monotonic() - started >= timeout
+        if attempt.ok or attempt.timed_out or out_of_time or len(failed) >= max_restarts:
+            return dataclasses.replace(attempt, failed_attempts=tuple(failed))
+        failed.append(attempt)
+        if echo:
+            print(
+                f"[launch] {attempt.failure}; restarting all workers (restart {len(failed)} of {max_restarts})",
+                flush=True,
+            )
+
+
+def _run_group(command, cluster, base_env, restart, namespace, started, timeout, grace, echo, cwd) -> LaunchResult:
+    """Start one attempt of every worker and supervise it until all have exited."""
+    workers = len(cluster["worker"])
     lock = threading.Lock()
     outputs: list[list[str]] = [[] for _ in range(workers)]
     processes: list[subprocess.Popen] = []
     readers: list[threading.Thread] = []
-    started = time.monotonic()
+    group_started = time.monotonic()
     try:
         for index in range(workers):
-            worker_env = {**os.environ, **(env or {})}
-            worker_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-            worker_env["PYTHONUNBUFFERED"] = "1"
+            worker_env = dict(base_env)
             worker_env["TF_CONFIG"] = tf_config(cluster, index)
+            worker_env[RESTART_COUNT_VARIABLE] = str(restart)
+            argv, fds = namespace.command(command) if namespace is not None else (command, ())
             process = subprocess.Popen(
-                command,
+                argv,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -287,6 +741,7 @@ def launch(
                 text=True,
                 errors="replace",
                 bufsize=1,
+                pass_fds=fds,
                 start_new_session=True,  # the launcher, not the terminal, stops the workers
             )
             processes.append(process)
@@ -295,9 +750,10 @@ def launch(
             )
             reader.start()
             readers.append(reader)
-        ended, stopped, timed_out = _wait(processes, started, timeout, grace)
+        deadline = None if timeout is None else started + timeout
+        ended, stopped, timed_out = _wait(processes, deadline, grace)
     except BaseException:
-        _stop(processes, [p for p in processes if p.poll() is None])
+        _stop([p for p in processes if p.poll() is None])
         for reader in readers:
             reader.join(timeout=5)
         raise
@@ -308,12 +764,19 @@ def launch(
             index=index,
             returncode=process.returncode,
             output="".join(outputs[index]),
-            seconds=ended[index] - started,
+            seconds=ended[index] - group_started,
             stopped=index in stopped,
         )
         for index, process in enumerate(processes)
     )
-    return LaunchResult(results, cluster, max(ended) - started, timed_out)
+    return LaunchResult(
+        results,
+        cluster,
+        max(ended) - started,
+        timed_out,
+        isolated=namespace is not None,
+        network_namespace=namespace.name if namespace is not None else None,
+    )
 
 
 def _check_count(name: str, value: Any) -> int:
@@ -333,12 +796,11 @@ def _read_lines(stream, sink: list[str], index: int, echo: bool, lock: threading
     stream.close()
 
 
-def _wait(processes, started: float, timeout: float | None, grace: float) -> tuple[list[float], set[int], bool]:
-    """Poll until every process exited; stop the rest after a failure's grace period or the timeout."""
+def _wait(processes, deadline: float | None, grace: float) -> tuple[list[float], set[int], bool]:
+    """Poll until every process exited; stop the rest after a failure's grace period or the deadline."""
     ended: list[float | None] = [None] * len(processes)
     stopped: set[int] = set()
     failed_at = None
-    timed_out = False
     while True:
         now = time.monotonic()
         for index, process in enumerate(processes):
@@ -348,35 +810,74 @@ def _wait(processes, started: float, timeout: float | None, grace: float) -> tup
                     failed_at = now
         running = [i for i, t in enumerate(ended) if t is None]
         if not running:
-            return ended, stopped, timed_out
-        expired = timeout is not None and now - started > timeout
+            return ended, stopped, False
+        expired = deadline is not None and now > deadline
         if expired or (failed_at is not None and now - failed_at > grace):
-            timed_out = timed_out or expired
             stopped.update(running)
-            _stop(processes, [processes[i] for i in running])
+            _stop([processes[i] for i in running])
             now = time.monotonic()
             for index in running:
                 ended[index] = now
-            return ended, stopped, timed_out
+            return ended, stopped, expired
         time.sleep(0.02)
 
 
-def _stop(all_processes, processes) -> None:
+def _signal_group(process: subprocess.Popen, kill: bool) -> None:
+    """SIGTERM (or SIGKILL) the worker and whatever it started (its own session), if it runs."""
+    if process.poll() is not None:
+        return
+    if hasattr(os, "killpg"):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL if kill else signal.SIGTERM)
+            return
+    with contextlib.suppress(ProcessLookupError):
+        process.kill() if kill else process.terminate()
+
+
+def _stop(processes) -> None:
+    """SIGTERM every process, and SIGKILL those still running after ``_TERMINATE_SECONDS``."""
     for process in processes:
-        with contextlib.suppress(ProcessLookupError):
-            process.terminate()
+        _signal_group(process, kill=False)
     deadline = time.monotonic() + _TERMINATE_SECONDS
     for process in processes:
         try:
             process.wait(timeout=max(deadline - time.monotonic(), 0.01))
         except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
+            _signal_group(process, kill=True)
             process.wait()
+
+
+# --------------------------------------------------------------------------------------
+# The command line
+# --------------------------------------------------------------------------------------
+
+_DESCRIPTION = """\
+Run a script as N local workers of a MultiWorkerMirroredStrategy cluster (TF_CONFIG on
+127.0.0.1), and supervise them: when one fails, stop the others after --grace seconds
+and, with --max-restarts, start them all again.
+
+Network: TensorFlow's server listens on every interface (*:port), whatever host TF_CONFIG
+names, has no authentication and runs the graphs it is sent; TensorFlow's SECURITY.md
+requires an isolated network. So on Linux the workers run in a private network namespace
+whose only interface is loopback: nothing outside the job can reach them (and they cannot
+reach any other network). Where that is impossible the launcher refuses to start, unless
+given --allow-network-exposure. --check-isolation says which case this machine is.
+"""
+
+
+class _Terminated(KeyboardInterrupt):
+    """The command-line launcher received SIGTERM."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line: ``python -m companion.launch --workers N script.py [args...]``.
+
+    ``python -m companion.launch --check-isolation`` says whether the workers can be
+    isolated here (exit code 0) or not (1), and why.
 
     Args:
         argv: the arguments (default: ``sys.argv[1:]``).
@@ -384,15 +885,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         0 if every worker exited with 0, else the exit code of the first one that failed
         (``128 + signal`` for a worker ended by a signal; 124 if ``--timeout`` expired;
-        130 on Ctrl-C).
+        130 on Ctrl-C, 143 on SIGTERM); 2 for bad arguments and when the workers cannot
+        be isolated without ``--allow-network-exposure``.
     """
     parser = argparse.ArgumentParser(
         prog="python -m companion.launch",
-        description="Run a script as N local workers of a MultiWorkerMirroredStrategy cluster "
-        "(TF_CONFIG on 127.0.0.1).",
+        description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--workers", type=int, default=2, help="number of workers (default: 2)")
-    parser.add_argument("--host", default="127.0.0.1", help="address of every worker (default: 127.0.0.1)")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address the workers connect to (default: 127.0.0.1); they listen on all interfaces",
+    )
     parser.add_argument(
         "--port-base", type=int, default=None, help="worker i listens on PORT_BASE + i (default: free ports)"
     )
@@ -403,16 +909,54 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=30.0,
         help="after a worker failed, seconds the others get to exit by themselves (default: 30)",
     )
-    parser.add_argument("script", help="the Python script every worker runs")
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="after a failure, start the whole group again up to this many times (default: 0); "
+        "a script that trains with checkpoint_dir resumes from its last checkpoint",
+    )
+    parser.add_argument(
+        "--allow-network-exposure",
+        action="store_true",
+        help="where the workers cannot be isolated, run them on this machine's network anyway "
+        "(their servers are then reachable by anyone who reaches their ports)",
+    )
+    parser.add_argument(
+        "--no-isolation",
+        action="store_true",
+        help="run the workers on this machine's network even where they could be isolated "
+        "(needs --allow-network-exposure)",
+    )
+    parser.add_argument(
+        "--check-isolation",
+        action="store_true",
+        help="only say whether the workers can be isolated here, and why (exit code 0 if so, else 1)",
+    )
+    parser.add_argument("script", nargs="?", help="the Python script every worker runs")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
     options = parser.parse_args(argv)
+    if options.check_isolation:
+        status = network_isolation()
+        if status.available:
+            print(f"isolated: the workers would run in {status.reason}")
+        else:
+            print(f"not isolated: {status.reason}")
+        return 0 if status.available else 1
+    if options.script is None:
+        parser.error("the script is required (or --check-isolation)")
     if options.workers < 1:
         parser.error(f"--workers must be >= 1, got {options.workers}")
+    if options.no_isolation and not options.allow_network_exposure:
+        parser.error("--no-isolation exposes the workers' servers: it needs --allow-network-exposure too")
     ports = None
     if options.port_base is not None:
         ports = list(range(options.port_base, options.port_base + options.workers))
         if not (0 < ports[0] and ports[-1] < 65536):
             parser.error(f"--port-base {options.port_base} gives ports outside 1..65535")
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         result = launch(
             options.script,
@@ -420,21 +964,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             options.args,
             timeout=options.timeout,
             grace=options.grace,
+            max_restarts=options.max_restarts,
             host=options.host,
             ports=ports,
             echo=True,
+            isolate=not options.no_isolation,
+            allow_network_exposure=options.allow_network_exposure,
         )
-    except (FileNotFoundError, ValueError) as error:
+    except (FileNotFoundError, ValueError, TypeError, NetworkIsolationError) as error:
         parser.error(str(error))
-    except KeyboardInterrupt:
-        print("[launch] interrupted: every worker was stopped", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as interrupt:
+        how = "terminated" if isinstance(interrupt, _Terminated) else "interrupted"
+        print(f"[launch] {how}: every worker was stopped", file=sys.stderr)
+        return 128 + signal.SIGTERM if isinstance(interrupt, _Terminated) else 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     for worker in result.workers:
         how = "stopped by the launcher, " if worker.stopped else ""
         print(
             f"[launch] worker {worker.index} exited with code {worker.returncode} ({how}{worker.seconds:.1f} s)",
             file=sys.stderr,
         )
+    if result.failure:
+        print(f"[launch] {result.failure}", file=sys.stderr)
     if result.timed_out:
         print(f"[launch] timeout of {options.timeout:g} s expired", file=sys.stderr)
     return result.returncode

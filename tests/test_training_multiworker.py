@@ -14,12 +14,11 @@ import json
 import os
 import pathlib
 import sys
-import textwrap
 
 import numpy as np
 import pytest
 
-from companion.launch import cluster_spec, free_ports, launch, main, tf_config
+from companion.launch import launch
 
 WORKER = pathlib.Path(__file__).with_name("multiworker_worker.py")
 ENV = {"CUDA_VISIBLE_DEVICES": "", "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONHASHSEED": "0"}
@@ -187,87 +186,3 @@ def test_restarted_workers_resume_after_the_last_completed_epoch(killed_then_res
     assert first["weights"] == two_workers[0]["clean"]["weights"]
     assert first["history"] == two_workers[0]["clean"]["history"]
     assert "ckpt-4.index" in first["files"] and not [f for f in first["files"] if f.startswith(".worker")]
-
-
-# --------------------------------------------------------------------------------------
-# The launcher (no TensorFlow in the workers: fast)
-# --------------------------------------------------------------------------------------
-
-SCRIPT = textwrap.dedent(
-    """
-    import json, os, sys, time
-    config = json.loads(os.environ["TF_CONFIG"])
-    index = config["task"]["index"]
-    print("cluster", ",".join(config["cluster"]["worker"]), "index", index, "args", " ".join(sys.argv[1:]))
-    mode = sys.argv[1] if len(sys.argv) > 1 else "ok"
-    if mode == "fail" and index == 1:
-        sys.exit(3)
-    if mode in ("fail", "sleep"):
-        time.sleep(60)
-    """
-)
-
-
-@pytest.fixture()
-def script(tmp_path) -> pathlib.Path:
-    path = tmp_path / "worker.py"
-    path.write_text(SCRIPT)
-    return path
-
-
-def test_launch_gives_every_worker_its_tf_config(script):
-    result = launch(script, 3, ["ok", "x y"], timeout=30)
-    assert result.ok and result.returncodes == [0, 0, 0] and result.returncode == 0
-    addresses = result.cluster["worker"]
-    assert len(set(addresses)) == 3 and all(a.startswith("127.0.0.1:") for a in addresses)
-    for worker in result.workers:
-        assert worker.output == f"cluster {','.join(addresses)} index {worker.index} args ok x y\n"
-
-
-def test_a_failing_worker_fails_the_launch_and_the_others_are_stopped_after_the_grace_period(script):
-    result = launch(script, 2, ["fail"], timeout=30, grace=0.5)
-    assert result.returncodes[1] == 3 and not result.workers[1].stopped
-    assert result.workers[0].stopped and result.workers[0].returncode != 0
-    assert result.returncode == 3 and result.first_failure.index == 1
-    assert result.seconds < 10
-
-
-def test_the_timeout_stops_every_worker(script):
-    result = launch(script, 2, ["sleep"], timeout=1)
-    assert result.timed_out and not result.ok and result.returncode == 124
-    assert all(w.stopped for w in result.workers) and result.seconds < 10
-
-
-def test_command_line_prefixes_output_and_returns_the_exit_code(script, capsys):
-    assert main(["--workers", "2", str(script), "ok"]) == 0
-    out = capsys.readouterr().out
-    assert "[worker 0] cluster" in out and "[worker 1] cluster" in out
-    assert main(["--workers", "2", "--grace", "0.5", str(script), "fail"]) == 3
-
-
-def test_launch_rejects_bad_input(script, tmp_path):
-    with pytest.raises(ValueError, match="workers must be >= 1, got 0"):
-        launch(script, 0)
-    with pytest.raises(TypeError, match="workers must be an int"):
-        launch(script, 2.0)
-    with pytest.raises(FileNotFoundError, match="script not found"):
-        launch(tmp_path / "missing.py", 2)
-    with pytest.raises(TypeError, match="args must be a sequence of strings"):
-        launch(script, 2, "--epochs 3")
-    with pytest.raises(ValueError, match="timeout must be a number >= 0"):
-        launch(script, 2, timeout=-1)
-    with pytest.raises(ValueError, match="ports must hold 2 distinct ports"):
-        launch(script, 2, ports=[5000, 5000])
-    with pytest.raises(SystemExit):
-        main(["--workers", "0", str(script)])
-
-
-def test_tf_config_and_cluster_spec():
-    ports = free_ports(2)
-    cluster = cluster_spec(2, ports=ports)
-    assert cluster == {"worker": [f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"]}
-    assert json.loads(tf_config(cluster, 1)) == {"cluster": cluster, "task": {"type": "worker", "index": 1}}
-    with pytest.raises(ValueError, match="index must be an int in 0..1"):
-        tf_config(cluster, 2)
-    with pytest.raises(ValueError, match="no 'chief' job"):
-        tf_config(cluster, 0, task_type="chief")
