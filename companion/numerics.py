@@ -729,7 +729,8 @@ def tilted_mean(x, name: str | None = None) -> tf.Tensor:
     terms of size 1/x, are left standing against a result of 1/2, and measured the error
     grows like eps/x^2. In float32 the naive form returns
     -1.3e4 at x = 1e-6, and at x = 0 it is inf - inf = NaN. Below x = -88.7 (float32)
-    exp(-x) overflows, and the gradient exp(-x) / (1 - exp(-x))^2 is inf / inf = NaN.
+    exp(-x) overflows: the value 1/(1 - exp(-x)) - 1/x is still right (-0 - 1/x), but the
+    backward pass multiplies -(1/(1 - exp(-x)))^2 = -0 by exp(-x) = inf: 0 * inf = NaN.
     The Taylor series f = 1/2 + x/12 - x^3/720 + x^5/30240 - ... (coefficients
     B_2k / (2k)!) converges only for abs(x) < 2 pi, and slowly near it.
 

@@ -175,8 +175,10 @@ def naive_tilted_mean(x) -> tf.Tensor:
       in float32 it returns about -1.3e4 at ``x = 1e-6`` and -4.9e4 at ``x = -1e-6``
       (true value 0.5), with gradients of order 1e10;
     - once ``exp(-x)`` overflows (``x < -88.7`` in float32, ``x < -709.8`` in float64)
-      the value is still right but the gradient ``exp(-x) / (1 - exp(-x))^2`` is
-      ``inf / inf = NaN``.
+      the value is still right but the gradient is NaN: the backward pass multiplies
+      ``-(1/(1 - exp(-x)))**2 = -0`` by ``exp(-x) = inf``, and ``0 * inf`` is NaN (the
+      derivative f'(x) = 1/x^2 - exp(-x) / (1 - exp(-x))^2 written as one expression
+      would be ``inf / inf`` there).
 
     The fix is :func:`companion.numerics.tilted_mean`.
     """
