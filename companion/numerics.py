@@ -14,7 +14,8 @@ from typing import Callable
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["bounded", "bounded_inverse", "double_where", "log_exp_pow", "safe_pow", "signed_pow", "tilted_mean"]
+__all__ = ["bounded", "bounded_inverse", "double_where", "log_exp_pow", "safe_pow", "signed_pow", "tilted_mean",
+           "tilted_mean_series_terms"]
 
 _FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 
@@ -675,6 +676,42 @@ def _tilted_mean_float(x: tf.Tensor):
     return _tilted_mean_value(x), grad
 
 
+def tilted_mean_series_terms(dtype) -> tuple[int, int]:
+    """How many Taylor terms :func:`tilted_mean` sums for the value and for the derivative.
+
+    For abs(x) <= 4, ``tilted_mean`` evaluates f(x/2) = 1/2 + z P(z^2) and
+    f'(x/2) = Q(z^2) at z = x/2 from the series f(z) = 1/2 + sum_k c_k z^(2k-1),
+    c_k = B_2k / (2k)!. The number of terms of P (and Q) is the smallest whose truncation
+    error, bounded with abs(c_k) <= 2 zeta(4) / (2 pi)^(2k) and a geometric series, stays
+    below 1/16 ulp of the smallest value (f(-4) = 0.231) and derivative (f'(4) = 0.0435)
+    taken from the series, the ulp coming from the dtype's ``eps``. The derivation is in
+    the book's chapter ``case_b/taylor_and_asymptotics``.
+
+    Args:
+        dtype: a floating-point dtype (``tf.float32``, ``"float64"``, ``np.float32``, ...).
+            float16 and bfloat16 are computed in float32, so they count as float32.
+
+    Returns:
+        ``(value_terms, derivative_terms)``: (8, 10) for float32, (17, 19) for float64.
+
+    Raises:
+        TypeError: if ``dtype`` is not a floating-point dtype.
+
+    Example:
+        >>> tilted_mean_series_terms(tf.float32), tilted_mean_series_terms("float64")
+        ((8, 10), (17, 19))
+    """
+    try:
+        dtype = tf.as_dtype(dtype)
+    except TypeError as error:
+        raise TypeError(f"dtype must be a floating-point dtype, got {dtype!r}") from error
+    if not dtype.is_floating:
+        raise TypeError(f"dtype must be a floating-point dtype, got {dtype.name}")
+    name = "float64" if dtype == tf.float64 else "float32"
+    value, derivative = _tilted_mean_coefficients(name)
+    return len(value), len(derivative)
+
+
 def tilted_mean(x, name: str | None = None) -> tf.Tensor:
     r"""Mean of the uniform distribution on [0, 1] tilted by e^(x u), with exact gradients.
 
@@ -692,7 +729,8 @@ def tilted_mean(x, name: str | None = None) -> tf.Tensor:
     terms of size 1/x, are left standing against a result of 1/2, and measured the error
     grows like eps/x^2. In float32 the naive form returns
     -1.3e4 at x = 1e-6, and at x = 0 it is inf - inf = NaN. Below x = -88.7 (float32)
-    exp(-x) overflows, and the gradient exp(-x) / (1 - exp(-x))^2 is inf / inf = NaN.
+    exp(-x) overflows: the value 1/(1 - exp(-x)) - 1/x is still right (-0 - 1/x), but the
+    backward pass multiplies -(1/(1 - exp(-x)))^2 = -0 by exp(-x) = inf: 0 * inf = NaN.
     The Taylor series f = 1/2 + x/12 - x^3/720 + x^5/30240 - ... (coefficients
     B_2k / (2k)!) converges only for abs(x) < 2 pi, and slowly near it.
 
@@ -711,11 +749,13 @@ def tilted_mean(x, name: str | None = None) -> tf.Tensor:
 
         f(-t) = 1/t - 1/expm1(t),    f(t) = 1 - f(-t),    f'(x) = 1/x^2 - r (1 + r),  r = 1/expm1(t)
 
-    where r = 1/expm1(t) is at most 7.5% of 1/t: cancellation amplifies the rounding
-    error of the value by at most 1/(1 - t r) <= 1.08, and that of the derivative by
-    1/(1 - t^2 r (1 + r)) <= 1.44 (at t = 4, falling to 1.1 at t = 6). These factors do
-    not depend on the precision, hence a fixed switch at abs(x) = T = 4: a lower one shortens
-    the series but amplifies the derivative's error more (1.98 at T = 3), a higher one
+    where r = 1/expm1(t) is at most 7.5% of 1/t: with both terms rounded (relative error
+    u each), cancellation amplifies the rounding error of the value by at most
+    (1 + t r) / (1 - t r) <= 1.16, and that of the derivative by
+    (1 + t^2 r (1 + r)) / (1 - t^2 r (1 + r)) <= 1.87 (at t = 4, falling to 1.03 and 1.20
+    at t = 6). These factors do not depend on the precision, hence a fixed switch at
+    abs(x) = T = 4: a lower one shortens the series but amplifies the derivative's error
+    more (2.97 at T = 3), a higher one
     needs many more terms (the series at abs(x/2) <= T/2 converges like (T / 4 pi)^2 per
     term). Every branch uses e^(-abs(x)/2) (or its square), which cannot overflow, so there
     is no overflow threshold either.

@@ -24,6 +24,8 @@ __all__ = [
     "seed_blended_f",
     "seed_bounded_exponent",
     "seed_checked_power",
+    "seed_gradient_formula",
+    "seed_question_f",
     "seed_scaled_dot_product_attention",
     "seed_taylor",
     "seed_train_step",
@@ -173,8 +175,10 @@ def naive_tilted_mean(x) -> tf.Tensor:
       in float32 it returns about -1.3e4 at ``x = 1e-6`` and -4.9e4 at ``x = -1e-6``
       (true value 0.5), with gradients of order 1e10;
     - once ``exp(-x)`` overflows (``x < -88.7`` in float32, ``x < -709.8`` in float64)
-      the value is still right but the gradient ``exp(-x) / (1 - exp(-x))^2`` is
-      ``inf / inf = NaN``.
+      the value is still right but the gradient is NaN: the backward pass multiplies
+      ``-(1/(1 - exp(-x)))**2 = -0`` by ``exp(-x) = inf``, and ``0 * inf`` is NaN (the
+      derivative f'(x) = 1/x^2 - exp(-x) / (1 - exp(-x))^2 written as one expression
+      would be ``inf / inf`` there).
 
     The fix is :func:`companion.numerics.tilted_mean`.
     """
@@ -195,8 +199,12 @@ def seed_blended_f(x) -> tf.Tensor:
       sigmoid(10), which leaves ~4.5e-5 of that -1/x = -1e6 in the result;
     - ``seed_blended_f(0)`` is NaN: every branch is evaluated everywhere, and
       ``0 * (1/0)`` is NaN however small the mask;
-    - the gradient is NaN at 0 (same reason) and at -100 and -1000 (the unused
-      ``original`` branch overflows, and ``0 * NaN`` is NaN);
+    - the value is also NaN for 0 < abs(x) <= 3e-8, where ``exp(-x)`` rounds to 1 and
+      ``original`` is inf, and for abs(x) > 7e12, where ``x**3`` overflows in the Taylor
+      branch: each time an infinite branch times a weight that is exactly 0 in float32;
+    - the gradient is NaN wherever the value is, and for *every* x < -88.7 (the
+      ``original`` branch's ``exp(-x)`` overflows there and its derivative is
+      ``0 * inf = NaN``, which no weight, 0 or 1, removes);
     - its Taylor term ``+x^3/720`` has the wrong sign: f = 1/2 + x/12 - x^3/720 + ...
 
     The fix is :func:`companion.numerics.tilted_mean`.
@@ -212,7 +220,8 @@ def seed_blended_f(x) -> tf.Tensor:
     # the middle region uses the original formula
     original = 1/(1 - tf.exp(-x)) - 1/x
 
-    # smooth switching masks: a sigmoid soft transition avoids the gradient jump of a hard switch
+    # smooth switching masks: a sigmoid soft transition avoids the gradient jump
+    # of a hard switch
     # transition between x < -10 and the middle region
     mask_neg = tf.sigmoid((x + 10)/0.5)
     # transition between x > 10 and the middle region
@@ -237,3 +246,93 @@ def seed_taylor(x) -> tf.Tensor:
     """
     x = tf.convert_to_tensor(x)
     return 0.5 + x/12 + tf.pow(x, 3)/720
+
+
+def seed_question_f(x) -> tf.Tensor:
+    """The question's own f, as the answer describes it: a ``tf.where`` with ``0.5 + x/12``.
+
+    The seed quotes the answer, not the question's code; the answer describes that code as
+    (seed ``003``, translated)::
+
+        原实现仅用一阶泰勒近似0.5+x/12覆盖|x|<0.1的区域
+        "the original implementation only used the first-order Taylor approximation
+        0.5 + x/12 on the region |x| < 0.1"
+
+        tf.where的硬分支切换会导致函数梯度在边界处不连续
+        "the hard branch switch of tf.where makes the gradient discontinuous at the
+        boundary"
+
+    and it tells the asker to keep ``tf.keras.backend.set_floatx('float64')``, so the
+    question ran in float64. This function is that description, and nothing more::
+
+        tf.where(tf.abs(x) < 0.1, 0.5 + x / 12, 1 / (1 - tf.exp(-x)) - 1 / x)
+
+    How it fails: not at the switch (there the value jumps by about
+    0.1^3/720 = 1.4e-6 and the slope by 0.1^2/240 = 4.2e-5, harmless for training), but
+    through the ``tf.where`` trap. ``tf.where`` computes both branches everywhere and its
+    gradient multiplies the unused one's derivative by 0; where that derivative is NaN,
+    0 * NaN is NaN:
+
+    - at x = 0 (and so at x = -50 in the question's f(x) + f(x + 50)) the value is the
+      right 0.5, and the gradient is NaN: the formula's branch is inf - inf there;
+    - for x < -log(max) (-709.78 in float64, -88.72 in float32) ``exp(-x)`` overflows and
+      the gradient is NaN while the value is right, as for :func:`naive_tilted_mean`;
+    - in float32 (Keras' default dtype), the formula's branch is used down to
+      abs(x) = 0.1, where it keeps about 4 correct digits.
+
+    The fix is :func:`companion.numerics.tilted_mean`; the general fix for the trap is
+    :func:`companion.numerics.double_where`. The chapter that shows it:
+    ``book/case_b/reproduce``.
+
+    Args:
+        x: a floating-point tensor (or something ``tf.convert_to_tensor`` accepts).
+
+    Returns:
+        The question's f at ``x``, same shape and dtype.
+
+    Example:
+        >>> x = tf.constant([0.0, -1000.0], tf.float64)
+        >>> with tf.GradientTape() as tape:
+        ...     tape.watch(x)
+        ...     y = seed_question_f(x)
+        >>> y.numpy().round(6), tape.gradient(y, x).numpy()
+        (array([0.5  , 0.001]), array([nan, nan]))
+    """
+    x = tf.convert_to_tensor(x)
+    return tf.where(tf.abs(x) < 0.1, 0.5 + x / 12, 1 / (1 - tf.exp(-x)) - 1 / x)
+
+
+def seed_gradient_formula(x) -> tf.Tensor:
+    """The answer's formula for "the gradient of the original formula", as written.
+
+    The answer (seed ``003``) says: "当x→-∞时，exp(-x)会溢出为inf，直接计算原公式的梯度
+    exp(-x)/(1-exp(-x))²会出现inf/inf的NaN情况" ("as x -> -inf, exp(-x) overflows to inf,
+    and computing the original formula's gradient exp(-x)/(1-exp(-x))^2 directly gives
+    inf/inf, a NaN"). This function evaluates that expression::
+
+        tf.exp(-x) / (1 - tf.exp(-x)) ** 2
+
+    It is not the derivative of f(x) = 1/(1 - e^-x) - 1/x, which is
+
+        f'(x) = 1/x^2 - e^-x / (1 - e^-x)^2
+
+    The answer's formula is the derivative of the first term with its sign flipped, and
+    it lacks the 1/x^2 of the second: at x = 1 it is 0.921 where f'(1) = 0.0793, and it
+    tends to +inf at 0 where f'(0) = 1/12. As an expression it is inf/inf = NaN once
+    ``exp(-x)`` overflows; TensorFlow's backward pass of the naive f never forms that
+    ratio, and gets its NaN as 0 * inf (``-(1/u)^2`` is -0 times ``e^-x = inf``).
+
+    The chapter that examines it: ``book/case_b/reproduce``.
+
+    Args:
+        x: a floating-point tensor (or something ``tf.convert_to_tensor`` accepts).
+
+    Returns:
+        ``exp(-x) / (1 - exp(-x))**2``, same shape and dtype as ``x``.
+
+    Example:
+        >>> seed_gradient_formula(tf.constant([1.0, -100.0])).numpy().round(4)
+        array([0.9207,    nan], dtype=float32)
+    """
+    x = tf.convert_to_tensor(x)
+    return tf.exp(-x) / (1 - tf.exp(-x)) ** 2

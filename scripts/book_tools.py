@@ -10,8 +10,14 @@ import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BOOK = ROOT / "book"
-COLAB_TAGS = ["nbval-skip", "remove-cell"]
-COLAB_MARKER = '"google.colab" in sys.modules'
+# The first code cell of every chapter (the "install cell", historically the "Colab cell"): it
+# installs the matching release of `companion` wherever the package is not importable (Colab,
+# Kaggle, Binder, a downloaded notebook) and nothing otherwise. nbval skips it; the book
+# shows it collapsed (`hide-input`), so that a reader of the web page sees how to install.
+COLAB_TAGS = ["nbval-skip", "hide-input"]
+COLAB_MARKER = 'importlib.util.find_spec("companion") is None'
+#: Markers of earlier versions of the install cell, so that the refresh script replaces them.
+LEGACY_COLAB_MARKERS = ('"google.colab" in sys.modules',)
 
 
 def package_version() -> str:
@@ -82,14 +88,27 @@ def colab_install_spec(url: str | None = None, version: str | None = None) -> st
 
 
 def colab_cell_source(url: str | None = None, version: str | None = None) -> str:
-    """Source of the first code cell of every chapter."""
+    """Source of the first code cell of every chapter: install `companion` if it is missing."""
+    name, release = colab_install_spec(url, version).split(" @ ")
+    # The release goes through a variable (IPython expands {release} in the magic's line)
+    # so that no line of the cell is wider than the book's 88 characters.
     return (
-        "# In Google Colab only: install the companion package at the version this book was built with.\n"
-        "import sys\n"
+        "# Installs the companion package, at the version this book was built with, where it\n"
+        "# is missing (Colab, Kaggle, Binder, a downloaded notebook). Installs nothing otherwise.\n"
+        "import importlib.util\n"
         "\n"
         f"if {COLAB_MARKER}:\n"
-        f'    %pip install --quiet "{colab_install_spec(url, version)}"'
+        f'    release = "{release}"\n'
+        f'    %pip install --quiet "{name} @ {{release}}"'
     )
+
+
+def is_colab_cell(cell: dict | None) -> bool:
+    """Whether ``cell`` is the install cell, in its current or an earlier version."""
+    if cell is None or cell.get("cell_type") != "code":
+        return False
+    source = "".join(cell["source"])
+    return any(marker in source for marker in (COLAB_MARKER, *LEGACY_COLAB_MARKERS))
 
 
 def notebooks() -> list[pathlib.Path]:

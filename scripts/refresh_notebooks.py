@@ -33,7 +33,7 @@ def sync_colab_cell(nb) -> bool:
     """Make the first code cell the canonical Colab cell; return whether it changed."""
     source = book_tools.colab_cell_source()
     cell = book_tools.first_code_cell(nb)
-    if cell is not None and book_tools.COLAB_MARKER in "".join(cell["source"]):
+    if book_tools.is_colab_cell(cell):
         changed = cell["source"] != source or cell["metadata"].get("tags") != book_tools.COLAB_TAGS
         cell["source"] = source
         cell["metadata"]["tags"] = list(book_tools.COLAB_TAGS)

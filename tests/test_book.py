@@ -47,36 +47,79 @@ def test_every_notebook_is_in_the_toc_and_every_toc_entry_exists():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
-def test_first_code_cell_installs_this_version_only_in_colab(path):
+def test_first_code_cell_installs_this_version_and_is_shown_collapsed(path):
     cell = book_tools.first_code_cell(_load(path))
     source = "".join(cell["source"])
     assert source == book_tools.colab_cell_source(), (
-        f"{path.name}: the Colab cell is out of date; run `python scripts/refresh_notebooks.py --no-execute`"
+        f"{path.name}: the install cell is out of date; run `python scripts/refresh_notebooks.py --no-execute`"
     )
     pinned = re.search(r"@v(\d+\.\d+\.\d+\S*)\"", source).group(1)
     assert pinned == companion.__version__
     assert book_tools.repository_url() in source
-    assert set(book_tools.COLAB_TAGS) <= set(cell["metadata"].get("tags", []))  # nbval-skip: not run by nbval
+    tags = set(cell["metadata"].get("tags", []))
+    assert "nbval-skip" in tags  # nbval does not run it: the tests use the checkout's package
+    assert "hide-input" in tags and not tags & {"remove-cell", "remove-input"}, (
+        f"{path.name}: the install cell must be on the page, collapsed (hide-input), got tags {sorted(tags)}"
+    )
+    assert max(len(line) for line in source.splitlines()) <= 88
 
 
-def test_colab_cell_is_valid_ipython_and_installs_nothing_outside_colab(monkeypatch):
+def _run_install_cell(monkeypatch, companion_importable: bool) -> list[tuple[str, str]]:
+    """Run the install cell as IPython would; return the line magics it calls, expanded."""
+    import importlib.util
+
     from IPython.core.inputtransformer2 import TransformerManager
 
     python = TransformerManager().transform_cell(book_tools.colab_cell_source())
     calls = []
+    namespace = {}
 
     class FakeIPython:
         def run_line_magic(self, name, line, *args, **kwargs):
-            calls.append((name, line))
+            # IPython expands {name} in a magic's line with the caller's variables.
+            calls.append((name, line.format(**namespace)))
 
-    namespace = {"get_ipython": lambda: FakeIPython()}
-    exec(compile(python, "<colab cell>", "exec"), namespace)
-    assert calls == [], "the cell must not install anything outside Colab"
+    namespace["get_ipython"] = lambda: FakeIPython()
+    find_spec = importlib.util.find_spec
 
-    monkeypatch.setitem(__import__("sys").modules, "google.colab", object())
-    exec(compile(python, "<colab cell>", "exec"), namespace)
-    assert calls and calls[0][0] == "pip"
-    assert book_tools.colab_install_spec() in calls[0][1]
+    def fake_find_spec(name, *args, **kwargs):
+        if name == "companion" and not companion_importable:
+            return None
+        return find_spec(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", fake_find_spec)
+    exec(compile(python, "<install cell>", "exec"), namespace)
+    return calls
+
+
+def test_install_cell_is_valid_ipython_and_installs_nothing_where_companion_is_importable(monkeypatch):
+    assert _run_install_cell(monkeypatch, companion_importable=True) == []
+
+
+def test_install_cell_installs_this_release_wherever_companion_is_missing(monkeypatch):
+    calls = _run_install_cell(monkeypatch, companion_importable=False)
+    assert len(calls) == 1 and calls[0][0] == "pip"
+    assert calls[0][1] == f'install --quiet "{book_tools.colab_install_spec()}"'
+
+
+def test_install_cell_replaces_the_colab_only_cell_of_earlier_versions():
+    import nbformat
+    import refresh_notebooks
+
+    old = (
+        "import sys\n\nif \"google.colab\" in sys.modules:\n"
+        '    %pip install --quiet "nan-gradients-companion @ git+https://example.org/x@v0.0.1"'
+    )
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_markdown_cell("# Title"),
+        nbformat.v4.new_code_cell(old, metadata={"tags": ["nbval-skip", "remove-cell"]}),
+        nbformat.v4.new_code_cell("from companion.notebook import setup"),
+    ])
+    assert refresh_notebooks.sync_colab_cell(nb)
+    assert len(nb["cells"]) == 3
+    assert nb["cells"][1]["source"] == book_tools.colab_cell_source()
+    assert nb["cells"][1]["metadata"]["tags"] == book_tools.COLAB_TAGS
+    assert not refresh_notebooks.sync_colab_cell(nb)  # idempotent
 
 
 def test_installed_distribution_has_the_package_version():
@@ -90,7 +133,7 @@ def test_notebook_outputs_are_committed_and_clean(path):
     cells = [c for c in _load(path)["cells"] if c["cell_type"] == "code"]
     for index, cell in enumerate(cells):
         source = "".join(cell["source"])
-        if book_tools.COLAB_MARKER in source:
+        if book_tools.is_colab_cell(cell):
             continue
         tags = cell["metadata"].get("tags", [])
         assert cell["execution_count"] is not None, f"{path.name}: code cell {index} was never run"
