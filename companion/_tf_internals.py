@@ -223,6 +223,33 @@ def all_layers(model) -> list:
 
 
 # --------------------------------------------------------------------------------------
+# 4b. Building a compiled model's loss and metric state before the first step
+# --------------------------------------------------------------------------------------
+# Relies on: Keras 3's ``Trainer._symbolic_build(data_batch=...)``, which ``fit`` calls
+# to create the variables of the compiled loss and metrics from symbolic inputs, so
+# that none is created inside the traced step.
+# If gone: the compiled loss and metrics are built by evaluating them once, eagerly, on
+# a batch of zeros of the dataset's shapes, after which the metrics are reset.
+
+
+def build_compiled_state(model, element_spec) -> None:
+    """Create the variables of ``model``'s compiled loss and metrics for batches like ``element_spec``."""
+    build = getattr(model, "_symbolic_build", None)
+    if build is not None:
+        build(data_batch=element_spec)
+        return
+    warn_once("_symbolic_build", "keras models have no _symbolic_build: compiled metrics are built on a zero batch")
+    batch = tf.nest.map_structure(
+        lambda s: tf.zeros([1 if d is None else d for d in s.shape], s.dtype), element_spec
+    )
+    x, y, weights = (tuple(batch) + (None,))[:3]
+    y_pred = model(x, training=False)
+    model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=weights)
+    model.compute_metrics(x, y, y_pred, sample_weight=weights)
+    model.reset_metrics()
+
+
+# --------------------------------------------------------------------------------------
 # 5. Whether a strategy spans several workers
 # --------------------------------------------------------------------------------------
 # Relies on: ``strategy.extended._in_multi_worker_mode()`` (TensorFlow's own test for

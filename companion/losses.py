@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from companion._checks import is_half
 
-__all__ = ["mean_loss", "resolve_loss"]
+__all__ = ["check_keras_loss_shapes", "mean_loss", "resolve_loss"]
 
 
 def _is_keras_loss(loss) -> bool:
@@ -59,15 +59,48 @@ def resolve_loss(loss: Callable | str) -> Callable:
     return loss
 
 
+def check_keras_loss_shapes(loss, y_true, y_pred) -> None:
+    """For one of Keras' own losses: raise if targets and predictions would broadcast wrongly.
+
+    ``y_true`` and ``y_pred`` may be tensors, ``tf.TensorSpec`` s or ``keras.KerasTensor`` s
+    (only their static shapes and dtypes are read). A user's callable is not checked: it
+    may read extra target columns (a mask, weights), so it is called as ``fit`` calls it.
+
+    Raises:
+        ValueError: if an elementwise Keras loss would compare predictions with the wrong
+            targets (e.g. targets ``(batch, 2)`` against predictions ``(batch, 1)``).
+
+    Example:
+        >>> check_keras_loss_shapes("mse", tf.TensorSpec([None]), tf.TensorSpec([None, 1]))  # aligned by Keras
+        >>> check_keras_loss_shapes("mse", tf.TensorSpec([None, 2]), tf.TensorSpec([None, 1]))
+        Traceback (most recent call last):
+        ValueError: prediction shape (None, 1) does not match target shape (None, 2): ...
+    """
+    loss = resolve_loss(loss) if isinstance(loss, str) else loss
+    if _is_keras_loss(loss):
+        _check_loss_shapes(loss, y_true, y_pred)
+
+
+def _static(value):
+    shape = getattr(value, "shape", None)
+    dtype = getattr(value, "dtype", None)
+    if shape is None or dtype is None:
+        return None, None
+    try:
+        return tf.TensorShape(shape), tf.as_dtype(dtype)
+    except TypeError:
+        return None, None
+
+
 def _check_loss_shapes(loss, y_true, y_pred) -> None:
     """Static checks of targets and predictions that catch silent broadcasting."""
-    if not (tf.is_tensor(y_true) and tf.is_tensor(y_pred)):
+    (true_shape, true_dtype), (pred_shape, pred_dtype) = _static(y_true), _static(y_pred)
+    if true_shape is None or pred_shape is None or true_shape.rank is None or pred_shape.rank is None:
         return
-    if y_true.shape.rank is None or y_pred.shape.rank is None:
-        return
-    if not (y_true.dtype.is_floating and y_pred.dtype.is_floating):
+    if not (true_dtype.is_floating and pred_dtype.is_floating):
         return  # e.g. integer labels of a sparse cross-entropy
-    true_shape = y_true.shape
+    y_true = tf.TensorSpec(true_shape, true_dtype)
+    y_pred = tf.TensorSpec(pred_shape, pred_dtype)
     if _is_keras_loss(loss):
         # Keras' losses align ranks that differ by one (labels of shape (batch,)).
         if true_shape.rank == y_pred.shape.rank - 1:

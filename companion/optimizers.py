@@ -64,9 +64,6 @@ class SkipNonFinite(keras.optimizers.Optimizer):
                 "SkipNonFinite cannot wrap a LossScaleOptimizer (the scaler would never see an overflow); "
                 "wrap the other way round: LossScaleOptimizer(SkipNonFinite(optimizer))"
             )
-        for key in list(kwargs):
-            if kwargs[key] in (None, False) or key in ("learning_rate",):
-                kwargs.pop(key)  # defaults written by get_config of older versions
         if kwargs:
             raise ValueError(
                 f"SkipNonFinite does not support arguments {sorted(kwargs)}; set them on the inner optimizer"

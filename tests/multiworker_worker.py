@@ -35,15 +35,21 @@ parser.add_argument("--scenario", choices=["main", "clean", "die", "resume"], re
 parser.add_argument("--checkpoint-dir")
 parser.add_argument("--die-worker", type=int, default=1)
 parser.add_argument("--die-at-batch", type=int, default=20)
-parser.add_argument("--collective-timeout", type=float, default=None)
+parser.add_argument("--collective-timeout", type=float, default=None,
+                    help="CommunicationOptions(timeout_seconds=...); default: the strategy people create, no options")
+parser.add_argument("--sleep-per-batch", type=float, default=0.0,
+                    help="seconds of Python work per batch in the input pipeline (as decoding with a Python library)")
 parser.add_argument("--jit", action="store_true", help="XLA for the clean run too (the poisoned run always uses it)")
 options = parser.parse_args()
 
 EPOCHS, BATCH, BATCHES = 4, 8, 8
 tf.config.experimental.enable_op_determinism()
-strategy = tf.distribute.MultiWorkerMirroredStrategy(
-    communication_options=tf.distribute.experimental.CommunicationOptions(timeout_seconds=options.collective_timeout)
-)
+if options.collective_timeout is None:
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+else:
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(
+        communication_options=tf.distribute.experimental.CommunicationOptions(timeout_seconds=options.collective_timeout)
+    )
 task = strategy.cluster_resolver.task_id
 
 rng = np.random.default_rng(0)
@@ -58,6 +64,8 @@ batches_read = []  # global batches this process's input pipeline produced
 
 def count_batches(x):
     batches_read.append(time.time())
+    if options.sleep_per_batch:
+        time.sleep(options.sleep_per_batch)
     if options.scenario == "die" and task == options.die_worker and len(batches_read) == options.die_at_batch:
         print(f"killing myself at batch {len(batches_read)}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)

@@ -22,9 +22,13 @@ from companion.launch import launch
 
 WORKER = pathlib.Path(__file__).with_name("multiworker_worker.py")
 ENV = {"CUDA_VISIBLE_DEVICES": "", "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONHASHSEED": "0"}
-#: Collective timeout of the worker-loss scenario, and the bound on the survivor's exit.
-COLLECTIVE_TIMEOUT = 15.0
-SURVIVOR_EXIT_BOUND = 30.0
+#: The bound on a survivor's exit after its peer was killed (documented in train's
+#: on_worker_loss: detection by the coordination service, then at most
+#: WORKER_LOSS_EXIT_SECONDS until the process ends).
+SURVIVOR_EXIT_BOUND = 60.0
+#: Python work per batch in the killed runs' input pipeline (tf.py_function), as when a
+#: pipeline decodes files with a Python library: what kept survivors alive before.
+SLEEP_PER_BATCH = "0.05"
 
 
 def run_workers(directory: pathlib.Path, scenario: str, workers: int, *args: str):
@@ -67,7 +71,7 @@ def killed_then_resumed(tmp_path_factory) -> dict:
     # batch 20 is batch 4 of epoch 3, after the checkpoint of epoch 2.
     died, died_reports = run_workers(
         directory, "die", 2, "--checkpoint-dir", str(checkpoints), "--die-worker", "1", "--die-at-batch", "20",
-        "--collective-timeout", str(COLLECTIVE_TIMEOUT),
+        "--sleep-per-batch", SLEEP_PER_BATCH,  # and the default strategy: no communication options
     )
     files_after_death = sorted(os.listdir(checkpoints))
     resumed, resumed_reports = run_workers(directory, "resume", 2, "--checkpoint-dir", str(checkpoints))
@@ -160,7 +164,7 @@ def test_a_killed_worker_makes_the_survivor_exit_with_a_clear_error_in_bounded_t
     survivor, killed = result.workers
     assert killed.returncode == -9, failure(result)  # SIGKILL: no clean-up at all
     assert survivor.returncode == 1 and not survivor.stopped, failure(result)  # exited by itself
-    assert survivor.seconds - killed.seconds < SURVIVOR_EXIT_BOUND
+    assert survivor.seconds - killed.seconds < SURVIVOR_EXIT_BOUND, failure(result)
     assert "WorkerLostError: worker 0 of 2 lost a peer during epoch 3" in survivor.output
     lost = killed_then_resumed["died_reports"][0]["lost"]
     assert lost["epoch"] == 2 and lost["checkpoint"].endswith("ckpt-2")
@@ -186,3 +190,39 @@ def test_restarted_workers_resume_after_the_last_completed_epoch(killed_then_res
     assert first["weights"] == two_workers[0]["clean"]["weights"]
     assert first["history"] == two_workers[0]["clean"]["history"]
     assert "ckpt-4.index" in first["files"] and not [f for f in first["files"] if f.startswith(".worker")]
+
+
+#: Moments of the kill matrix, as the batch of the killed worker's input pipeline at
+#: which it dies (8 batches per epoch, 4 epochs; the chief checkpoints after each epoch).
+KILL_MOMENTS = {
+    "first-step-compilation": "1",
+    "mid-epoch": "12",
+    "between-epochs-while-the-chief-checkpoints": "17",
+    "last-step": "32",
+}
+
+
+KILLS = [(moment, "1") for moment in KILL_MOMENTS] + [("mid-epoch", "0"), ("between-epochs-while-the-chief-checkpoints", "0")]
+
+
+@pytest.mark.killmatrix
+@pytest.mark.parametrize("moment, killed", KILLS, ids=[f"{m}-worker-{k}-killed" for m, k in KILLS])
+def test_kill_matrix_every_survivor_exits_in_bounded_time_and_checkpoints_stay_complete(moment, killed, tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    result, _ = run_workers(
+        tmp_path, "die", 2, "--checkpoint-dir", str(checkpoints), "--die-worker", killed,
+        "--die-at-batch", KILL_MOMENTS[moment], "--sleep-per-batch", SLEEP_PER_BATCH,
+    )
+    dead = result.workers[int(killed)]
+    survivor = result.workers[1 - int(killed)]
+    assert dead.returncode == -9, failure(result)
+    assert survivor.returncode != 0 and not survivor.stopped, failure(result)
+    assert survivor.seconds - dead.seconds < SURVIVOR_EXIT_BOUND, failure(result)
+    files = sorted(os.listdir(checkpoints)) if checkpoints.exists() else []
+    # Only complete checkpoints: every index file has its data file, and "checkpoint" names one of them.
+    indexes = [f[: -len(".index")] for f in files if f.endswith(".index")]
+    assert all(any(f.startswith(prefix + ".data-") for f in files) for prefix in indexes), files
+    if "checkpoint" in files:
+        latest = (checkpoints / "checkpoint").read_text().split('"')[1]
+        assert latest in indexes, (latest, files)
+

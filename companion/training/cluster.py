@@ -6,6 +6,11 @@ peer is gone (chapter *Training across machines*).
 
 from __future__ import annotations
 
+import atexit
+import os
+import sys
+import threading
+
 import numpy as np
 import tensorflow as tf
 
@@ -95,3 +100,47 @@ class Cluster:
             checkpoint=latest,
             history=history,
         )
+
+
+#: After a :class:`WorkerLostError`, the longest the process lives on (``on_worker_loss="exit"``).
+WORKER_LOSS_EXIT_SECONDS = 30.0
+_exit_armed = threading.Event()
+
+
+def _end_process() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # pragma: no cover - a closed stream
+            pass
+    os._exit(1)
+
+
+def _exit_later(seconds: float) -> None:
+    threading.Event().wait(seconds)
+    print(
+        f"companion.training: the process is still running {seconds:g} s after WorkerLostError; ending it "
+        "(exit code 1), as TensorFlow's runtime is blocked on the lost peer",
+        file=sys.stderr,
+    )
+    _end_process()
+
+
+def arm_exit_after_worker_loss(seconds: float = WORKER_LOSS_EXIT_SECONDS) -> None:
+    """End this process (exit code 1) at interpreter exit, or ``seconds`` from now at the latest.
+
+    After a peer is lost, TensorFlow's runtime can keep the process alive: threads of the
+    input pipeline blocked in Python (``tf.py_function``), collective ops waiting for the
+    dead peer, gRPC and coordination-service shutdown waiting for it. A survivor that
+    never exits is never restarted by its scheduler, so once :class:`WorkerLostError` is
+    raised the process ends: at interpreter exit without TensorFlow's teardown, or after
+    ``seconds`` (the time the caller has to log or save what it needs) from a daemon
+    thread. Pass ``on_worker_loss="raise"`` to :func:`companion.training.train` to keep
+    the process alive instead.
+    """
+    if _exit_armed.is_set():
+        return
+    _exit_armed.set()
+    atexit.register(_end_process)
+    threading.Thread(target=_exit_later, args=(seconds,), name="companion-exit-after-worker-loss", daemon=True).start()
+

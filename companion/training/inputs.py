@@ -9,6 +9,7 @@ import os
 from typing import Any, Iterable
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from companion import _tf_internals
@@ -31,45 +32,45 @@ def _describe_spec(spec) -> str:
     return f"{type(spec).__name__}"
 
 
-def as_dataset(dataset) -> tf.data.Dataset:
-    """A ``tf.data.Dataset`` of ``(inputs, targets)`` with a known, finite cardinality."""
+def as_dataset(dataset, name: str = "dataset") -> tf.data.Dataset:
+    """A ``tf.data.Dataset`` of ``(inputs, targets[, sample_weights])`` with a known, finite cardinality."""
     if isinstance(dataset, tf.data.Dataset):
         spec = dataset.element_spec
-        if not (isinstance(spec, (tuple, list)) and len(spec) == 2):
-            extra = ""
-            if isinstance(spec, (tuple, list)) and len(spec) == 3:
-                extra = " (sample weights are not supported: fold them into the loss)"
+        if not (isinstance(spec, (tuple, list)) and len(spec) in (2, 3)):
             raise TypeError(
-                f"dataset must yield (inputs, targets) pairs, but its elements are {_describe_spec(spec)}{extra}; "
-                "e.g. tf.data.Dataset.from_tensor_slices((x, y)).batch(32)"
+                f"{name} must yield (inputs, targets) or (inputs, targets, sample_weights) tuples, but its "
+                f"elements are {_describe_spec(spec)}; e.g. tf.data.Dataset.from_tensor_slices((x, y)).batch(32)"
             )
         cardinality = int(dataset.cardinality())
         if cardinality == 0:
-            raise ValueError("dataset is empty: it yields no batch")
+            raise ValueError(f"{name} is empty: it yields no batch")
         if cardinality == tf.data.INFINITE_CARDINALITY:
             raise ValueError(
-                "dataset is infinite (e.g. .repeat() without a count), so an epoch would never end; "
+                f"{name} is infinite (e.g. .repeat() without a count), so an epoch would never end; "
                 "use .take(steps_per_epoch) or .repeat(n)"
             )
         return dataset
     if isinstance(dataset, (str, bytes, dict)) or not isinstance(dataset, Iterable):
         raise TypeError(
-            "dataset must be a tf.data.Dataset or an iterable of (inputs, targets) batches, "
+            f"{name} must be a tf.data.Dataset or an iterable of (inputs, targets) batches, "
             f"got {type(dataset).__name__}"
         )
     batches = []
     for index, element in enumerate(dataset):
-        if not (isinstance(element, (tuple, list)) and len(element) == 2):
+        if not (isinstance(element, (tuple, list)) and len(element) in (2, 3)):
             described = type(element).__name__
             if isinstance(element, (tuple, list)):
                 described += f" of length {len(element)}"
-            raise TypeError(f"dataset must yield (inputs, targets) pairs, but element {index} is a {described}")
+            raise TypeError(
+                f"{name} must yield (inputs, targets) pairs or (inputs, targets, sample_weights) triples, "
+                f"but element {index} is a {described}"
+            )
         try:
             batches.append(tf.nest.map_structure(tf.convert_to_tensor, tuple(element)))
         except (TypeError, ValueError) as err:
-            raise TypeError(f"element {index} of dataset cannot be converted to tensors: {err}") from None
+            raise TypeError(f"element {index} of {name} cannot be converted to tensors: {err}") from None
     if not batches:
-        raise ValueError("dataset is empty: it yields no batch")
+        raise ValueError(f"{name} is empty: it yields no batch")
     spec = tf.nest.map_structure(tf.type_spec_from_value, batches[0])
     for index, batch in enumerate(batches[1:], start=1):
         try:
@@ -78,21 +79,157 @@ def as_dataset(dataset) -> tf.data.Dataset:
                 lambda s, t: s.most_specific_common_supertype([tf.type_spec_from_value(t)]), spec, batch
             )
         except (TypeError, ValueError) as err:
-            raise TypeError(f"element {index} of dataset does not have the structure of element 0: {err}") from None
+            raise TypeError(f"element {index} of {name} does not have the structure of element 0: {err}") from None
         if any(s is None for s in tf.nest.flatten(spec)):
-            raise TypeError(f"element {index} of dataset has a different dtype from element 0")
+            raise TypeError(f"element {index} of {name} has a different dtype from element 0")
     result = tf.data.Dataset.from_generator(lambda: iter(batches), output_signature=spec)
     return result.apply(tf.data.experimental.assert_cardinality(len(batches)))
 
 
+def _check_loss_entry(loss, where: str):
+    if isinstance(loss, str):
+        resolve_loss(loss)  # an unknown name raises here, with the name
+    elif loss is not None and not callable(loss):
+        raise TypeError(
+            f"{where} must be a callable loss(y_true, y_pred), a Keras loss or a loss name, "
+            f"got {type(loss).__name__} {loss!r}"
+        )
+
+
+def check_losses(loss, loss_weights, model) -> None:
+    """``loss`` (one, or a list or dict per output) and ``loss_weights`` as ``compile`` takes them."""
+    outputs = list(getattr(model, "output_names", None) or [])
+    if isinstance(loss, dict):
+        for key, entry in loss.items():
+            _check_loss_entry(entry, f"loss[{key!r}]")
+        if not outputs:
+            raise ValueError(
+                f"loss has keys {sorted(loss)}, but the model's outputs are not named (a Sequential or subclassed "
+                "model): pass one loss, or a list with one loss per output"
+            )
+        if not set(loss) <= set(outputs):
+            raise ValueError(
+                f"loss has keys {sorted(loss)}, but the model's outputs are named {outputs}; "
+                "use the output names as keys"
+            )
+    elif isinstance(loss, (list, tuple)):
+        for index, entry in enumerate(loss):
+            _check_loss_entry(entry, f"loss[{index}]")
+        if outputs and len(loss) != len(outputs):
+            raise ValueError(f"loss is a list of {len(loss)} losses, but the model has {len(outputs)} outputs {outputs}")
+    else:
+        if loss is None:
+            raise TypeError("loss must be given: a callable loss(y_true, y_pred), a Keras loss or a loss name")
+        _check_loss_entry(loss, "loss")
+    if loss_weights is None:
+        return
+    if isinstance(loss_weights, dict):
+        if outputs and not set(loss_weights) <= set(outputs):
+            raise ValueError(f"loss_weights has keys {sorted(loss_weights)}, but the model's outputs are {outputs}")
+        values = list(loss_weights.values())
+    elif isinstance(loss_weights, (list, tuple)):
+        if outputs and len(loss_weights) != len(outputs):
+            raise ValueError(f"loss_weights has {len(loss_weights)} entries, but the model has {len(outputs)} outputs")
+        values = list(loss_weights)
+    else:
+        values = [loss_weights]
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+            raise TypeError(f"loss_weights must be numbers (or a list or dict of numbers), got {value!r}")
+
+
+#: Metric names ``compile`` resolves from the loss rather than from ``keras.metrics.get``.
+_LOSS_DEPENDENT_METRICS = frozenset({"accuracy", "acc", "crossentropy", "ce"})
+
+
+def check_metrics(metrics) -> None:
+    """``metrics`` as ``compile`` takes them: names, Keras metrics or callables, in a list or a dict."""
+    if metrics is None:
+        return
+    if isinstance(metrics, dict):
+        entries = [m for value in metrics.values() for m in (value if isinstance(value, (list, tuple)) else [value])]
+    elif isinstance(metrics, (list, tuple)):
+        entries = [m for value in metrics for m in (value if isinstance(value, (list, tuple)) else [value])]
+    else:
+        raise TypeError(f"metrics must be a list (or a dict per output) of metrics, got {type(metrics).__name__}")
+    for entry in entries:
+        if entry is None:
+            continue
+        if isinstance(entry, str):
+            if entry not in _LOSS_DEPENDENT_METRICS:
+                try:
+                    keras.metrics.get(entry)
+                except ValueError:
+                    raise ValueError(f"unknown metric {entry!r}: not a Keras metric name") from None
+        elif not callable(entry):
+            raise TypeError(f"a metric must be a name, a keras.metrics.Metric or a callable, got {entry!r}")
+
+
+def check_callbacks(callbacks) -> list:
+    """``callbacks`` as a list of :class:`keras.callbacks.Callback`."""
+    if callbacks is None:
+        return []
+    if isinstance(callbacks, keras.callbacks.Callback) or not isinstance(callbacks, (list, tuple)):
+        raise TypeError(f"callbacks must be a list of keras.callbacks.Callback, got {type(callbacks).__name__}")
+    for callback in callbacks:
+        if not isinstance(callback, keras.callbacks.Callback):
+            raise TypeError(
+                f"callbacks must be keras.callbacks.Callback instances, got {type(callback).__name__} {callback!r}"
+            )
+    return list(callbacks)
+
+
+def validation_dataset(validation_data, train_spec) -> tf.data.Dataset | None:
+    """``validation_data`` as a dataset whose inputs and targets have the training data's structure.
+
+    A dataset is used as it is; an ``(x, y)`` or ``(x, y, sample_weight)`` tuple of arrays
+    is batched by 32, as ``model.evaluate`` batches arrays.
+    """
+    if validation_data is None:
+        return None
+    if isinstance(validation_data, tf.data.Dataset):
+        data = as_dataset(validation_data, "validation_data")
+    elif isinstance(validation_data, (tuple, list)) and len(validation_data) in (2, 3):
+        try:
+            data = tf.data.Dataset.from_tensor_slices(tuple(validation_data)).batch(32)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"validation_data cannot be sliced into examples: {err}") from None
+    else:
+        raise TypeError(
+            "validation_data must be a tf.data.Dataset or an (x, y) or (x, y, sample_weight) tuple, "
+            f"got {type(validation_data).__name__}"
+        )
+    spec = data.element_spec
+    for part, name in ((0, "inputs"), (1, "targets")):
+        try:
+            tf.nest.assert_same_structure(spec[part], train_spec[part])
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"validation_data's {name} are {_describe_spec(spec[part])}, but the training data's are "
+                f"{_describe_spec(train_spec[part])}"
+            ) from None
+        for got, want in zip(tf.nest.flatten(spec[part]), tf.nest.flatten(train_spec[part])):
+            if not got.shape[1:].is_compatible_with(want.shape[1:]):
+                raise ValueError(
+                    f"validation_data's {name} have shape {tuple(got.shape)} per batch, but the training data's "
+                    f"have {tuple(want.shape)}"
+                )
+    return data
+
+
 def check_arguments(
     model, loss, optimizer, *, epochs, strategy, jit_compile, clip_global_norm, on_nonfinite,
-    max_consecutive_nonfinite, checkpoint_dir, verbose,
+    max_consecutive_nonfinite, checkpoint_dir, verbose, callbacks, metrics, loss_weights,
 ) -> dict[str, Any]:
-    """The arguments of ``train`` checked and normalised (loss resolved, numbers as Python types)."""
-    if not isinstance(model, keras.layers.Layer):
-        raise TypeError(f"model must be a Keras model (keras.Model or keras.layers.Layer), got {type(model).__name__}")
-    loss = resolve_loss(loss)
+    """The arguments of ``train`` checked and normalised (numbers as Python types)."""
+    if not isinstance(model, keras.Model):
+        kind = "a Keras layer that is not a model" if isinstance(model, keras.layers.Layer) else type(model).__name__
+        raise TypeError(
+            f"model must be a Keras model (keras.Model, e.g. keras.Sequential([layer])), got {kind}"
+        )
+    check_losses(loss, loss_weights, model)
+    check_metrics(metrics)
+    callbacks = check_callbacks(callbacks)
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         hint = ""
         if isinstance(optimizer, str):
@@ -121,6 +258,7 @@ def check_arguments(
         loss=loss, optimizer=optimizer, epochs=epochs, strategy=strategy, jit_compile=jit_compile,
         clip_global_norm=clip_global_norm, on_nonfinite=on_nonfinite,
         max_consecutive_nonfinite=max_consecutive_nonfinite, checkpoint_dir=checkpoint_dir, verbose=verbose,
+        callbacks=callbacks, metrics=metrics, loss_weights=loss_weights,
     )
 
 

@@ -19,10 +19,18 @@ import tensorflow as tf
 from companion import _tf_internals
 from companion.diagnostics import GradientRecord, GradientReport
 from companion.training.checkpoints import TrainingCheckpoint
-from companion.training.cluster import PEER_FAILURES, Cluster
-from companion.training.inputs import as_dataset, check_arguments, prepare_model, prepare_optimizer, uses_float16
+from companion.training.cluster import PEER_FAILURES, Cluster, arm_exit_after_worker_loss
+from companion.losses import check_keras_loss_shapes
+from companion.training.inputs import (
+    as_dataset,
+    check_arguments,
+    prepare_model,
+    prepare_optimizer,
+    uses_float16,
+    validation_dataset,
+)
 from companion.training.masking import UnmaskableUpdate
-from companion.training.results import NonFiniteError, SkippedStep, TrainingHistory
+from companion.training.results import NonFiniteError, SkippedStep, TrainingHistory, WorkerLostError
 from companion.training.step import Runner, loss_scale_wrapper, model_cache, runner_for
 
 #: Seconds of work per host call the loop aims for (also the progress-bar refresh interval).
@@ -39,23 +47,40 @@ def train(
     loss: Callable | str,
     optimizer: keras.optimizers.Optimizer,
     epochs: int = 1,
+    callbacks: list[keras.callbacks.Callback] | None = None,
+    validation_data: tf.data.Dataset | tuple | None = None,
+    metrics: list | dict | None = None,
+    loss_weights: float | list | dict | None = None,
     strategy: tf.distribute.Strategy | None = None,
     jit_compile: bool = True,
     clip_global_norm: float | None = None,
     on_nonfinite: str = "skip",
     max_consecutive_nonfinite: int = 10,
     checkpoint_dir: str | os.PathLike | None = None,
+    on_worker_loss: str = "exit",
     verbose: int = 1,
 ) -> TrainingHistory:
     """Train ``model`` on ``dataset``, skipping every step whose loss or gradients are not finite.
 
-    Each step computes ``loss(targets, model(inputs, training=True))`` (averaged over
-    the batch, plus ``model.losses``), its gradients, their global norm and whether the
+    ``train`` keeps ``model.fit``'s contracts: the model is compiled with ``loss``,
+    ``loss_weights``, ``metrics`` and ``optimizer`` as ``compile`` would, each step
+    computes the loss as ``fit`` does (``model.compute_loss``: sample weights, a loss per
+    output, regularisation losses, the optimizer's ``loss_scale_factor``), ``callbacks``
+    are driven as ``fit`` drives them (batch hooks once per host call, as with
+    ``steps_per_execution``; ``model.stop_training`` is honoured), ``validation_data`` is
+    evaluated with ``model.evaluate`` after every epoch, and the optimizer's
+    ``finalize_variable_values`` (its EMA) runs at the end. With the same weights and
+    batches, and no skipped step, the weights and every logged number equal ``fit``'s.
+
+    What ``fit`` does not do: each step also computes its gradients' global norm and
+    whether the loss and every gradient are finite their global norm and whether the
     loss and every gradient are finite (the norm is NaN or Inf as soon as one entry is;
     finite gradients whose norm overflows float32, above ~1.8e19, count as non-finite
     too). A non-finite step applies nothing: the weights, the optimizer's moments and
-    iteration counter, and the model variables the forward pass changed (batch-norm
-    statistics, dropout seed state) keep their exact previous values. Several steps run
+    iteration counter, the model variables the forward pass changed (batch-norm
+    statistics, dropout seed state) and the metrics keep their exact previous values,
+    so a skipped step does not poison the epoch's loss or metrics (and
+    ``keras.callbacks.TerminateOnNaN`` never fires under the guard). Several steps run
     per host call, XLA-compiled, without a host round trip per step.
 
     * Distribution: under a ``tf.distribute`` strategy the gradients are summed across
@@ -65,7 +90,12 @@ def train(
     * Several machines: under ``tf.distribute.MultiWorkerMirroredStrategy`` every
       worker calls ``train`` with the same arguments (see :mod:`companion.launch`);
       only the chief shows progress and writes ``checkpoint_dir`` (which every worker
-      must see), and a lost peer raises :class:`WorkerLostError` on every survivor.
+      must see), and a lost peer raises :class:`WorkerLostError` on every survivor
+      (see ``on_worker_loss``). Each worker's TensorFlow server listens on every
+      interface of its machine, whatever host ``TF_CONFIG`` names, without
+      authentication, and runs the graphs it is sent: TensorFlow's SECURITY.md requires
+      the cluster's network to be isolated. :func:`companion.launch.launch` runs local
+      workers in a private, loopback-only network namespace.
     * XLA: if the step cannot be compiled (an op without an XLA kernel, such as
       ``tf.py_function``), it runs without XLA and a warning says so.
     * Mixed precision: a float16 model gets a :class:`keras.optimizers.LossScaleOptimizer`
@@ -84,21 +114,32 @@ def train(
     Args:
         model: a Keras model (any :class:`keras.layers.Layer` with trainable
             variables); an unbuilt model is built from the dataset's element spec.
-        dataset: a ``tf.data.Dataset`` of ``(inputs, targets)`` batches with a finite
-            number of batches, or any finite iterable of such pairs (read once, kept in
-            memory).
-        loss: ``loss(y_true, y_pred)`` returning a scalar or one value per example, a
-            :class:`keras.losses.Loss`, or a Keras loss name such as ``"mse"``.
-            Half-precision predictions are cast to float32 first.
+        dataset: a ``tf.data.Dataset`` of ``(inputs, targets)`` or ``(inputs, targets,
+            sample_weights)`` batches with a finite number of batches, or any finite
+            iterable of such tuples (read once, kept in memory).
+        loss: as for ``compile``: ``loss(y_true, y_pred)``, a :class:`keras.losses.Loss`,
+            a Keras loss name such as ``"mse"``, or a list or dict of them, one per
+            output. A user's callable is called as ``fit`` calls it (it may read extra
+            target columns); for Keras' own losses, targets and predictions that would
+            broadcast into a wrong comparison raise ``ValueError`` before any step.
         optimizer: a :class:`keras.optimizers.Optimizer`, built on the model's
             trainable variables if it is not built yet.
         epochs: total number of passes over ``dataset`` (restored epochs included), >= 1.
+        callbacks: :class:`keras.callbacks.Callback` instances (``EarlyStopping``,
+            ``ModelCheckpoint``, ``ReduceLROnPlateau``, ``CSVLogger``, ...).
+        validation_data: a dataset, or an ``(x, y)`` or ``(x, y, sample_weight)`` tuple
+            of arrays (batched by 32), evaluated after every epoch; its logs get ``val_``.
+        metrics: as for ``compile``: names, :class:`keras.metrics.Metric` instances or
+            callables, in a list or a dict per output; computed on the applied steps.
+        loss_weights: as for ``compile``: a weight per output (a list or dict).
         strategy: a ``tf.distribute.Strategy``; default: the model's, else the current one.
         jit_compile: compile the step with XLA.
         clip_global_norm: if given (> 0), finite gradients are rescaled so that their
             global norm is at most this value (:func:`tf.clip_by_global_norm`
             semantics). Non-finite gradients are never clipped, which would spread one
-            NaN to every variable.
+            NaN to every variable. The optimizer's own ``clipnorm``, ``clipvalue`` and
+            ``global_clipnorm`` act as in ``fit``, after this, inside ``apply`` (they
+            only ever see finite gradients here).
         on_nonfinite: ``"skip"`` (skip the step and go on), ``"raise"`` (raise
             :class:`NonFiniteError` at the first non-finite step, which is not applied
             either), or ``"ignore"`` (no check: every step is applied, NaN included, as
@@ -107,20 +148,29 @@ def train(
             this many consecutive skipped steps (>= 1); the weights are then exactly
             those of the last good step.
         checkpoint_dir: directory for epoch-end checkpoints, or ``None``.
-        verbose: 0 prints nothing, 1 shows a :class:`keras.utils.Progbar` per epoch,
-            2 prints one line per epoch.
+        on_worker_loss: what happens to this process after :class:`WorkerLostError`:
+            ``"exit"`` (it ends with exit code 1 at interpreter exit, without
+            TensorFlow's teardown, and at the latest 30 s after the error, so that a
+            scheduler can restart the job: TensorFlow's runtime can otherwise keep it
+            alive, blocked on the lost peer) or ``"raise"`` (only raise).
+        verbose: 0 prints nothing, 1 shows Keras' progress bar per epoch, 2 prints one
+            line per epoch.
 
     Returns:
         A :class:`TrainingHistory` with the loss, gradient norm and finiteness of every
-        step and a report per skipped step.
+        step, a report per skipped step, and in ``.history`` the per-epoch logs that
+        ``fit``'s ``History`` would hold (``model.history`` is that ``History``).
 
     Raises:
-        TypeError: if an argument has the wrong type (``model`` not a Keras layer,
-            ``optimizer`` not a Keras optimizer, ``loss`` not callable, ...) or
-            ``dataset`` does not yield ``(inputs, targets)`` pairs.
+        TypeError: if an argument has the wrong type (``model`` not a Keras model,
+            ``optimizer`` not a Keras optimizer, ``loss`` not callable, a callback that
+            is not a ``keras.callbacks.Callback``, ...) or ``dataset`` does not yield
+            ``(inputs, targets[, sample_weights])`` tuples.
         ValueError: if an argument is out of range, the dataset is empty or infinite,
-            predictions and targets have incompatible shapes, the model has no trainable
-            variables or was not created under the strategy's scope, or
+            a metric name is unknown, a loss dict's keys are not the model's outputs,
+            ``validation_data`` does not have the training data's structure, a Keras
+            loss would compare predictions with the wrong targets, the model has no
+            trainable variables or was not created under the strategy's scope, or
             ``checkpoint_dir`` holds a checkpoint of another model. All of these are
             raised before any step runs.
         NonFiniteError: see ``on_nonfinite`` and ``max_consecutive_nonfinite``.
@@ -140,10 +190,33 @@ def train(
         model, loss, optimizer, epochs=epochs, strategy=strategy, jit_compile=jit_compile,
         clip_global_norm=clip_global_norm, on_nonfinite=on_nonfinite,
         max_consecutive_nonfinite=max_consecutive_nonfinite, checkpoint_dir=checkpoint_dir, verbose=verbose,
+        callbacks=callbacks, metrics=metrics, loss_weights=loss_weights,
     )
-    run = _prepare(model, as_dataset(dataset), **args)
+    if on_worker_loss not in ("exit", "raise"):
+        raise ValueError(f"on_worker_loss must be 'exit' or 'raise', got {on_worker_loss!r}")
+    dataset = as_dataset(dataset)
+    validation = validation_dataset(validation_data, dataset.element_spec)
+    try:
+        return _train(model, dataset, validation, args)
+    except WorkerLostError:
+        if on_worker_loss == "exit":
+            arm_exit_after_worker_loss()
+        raise
+
+
+def _train(model, dataset, validation, args) -> TrainingHistory:
+    run = _prepare(model, dataset, validation=validation, **args)
+    model.stop_training = False
+    run.callbacks.on_train_begin()
+    logs = None
     for epoch in range(run.start_epoch, run.epochs):
-        _run_epoch(run, epoch)
+        logs = _run_epoch(run, epoch)
+        if model.stop_training:
+            break
+    if run.start_epoch < run.epochs:
+        # As fit does at the end: e.g. write the optimizer's moving averages (use_ema).
+        run.optimizer.finalize_variable_values(model.trainable_weights)
+    run.callbacks.on_train_end(logs=logs)
     return run.history
 
 
@@ -174,6 +247,8 @@ class _Run:
     distributed: Any
     shared_iterator: Any
     steps_per_epoch: int
+    validation: tf.data.Dataset | None
+    callbacks: keras.callbacks.CallbackList
 
     @property
     def known_length(self) -> bool:
@@ -189,22 +264,76 @@ class _Run:
 
     def make_runner(self, *, jit: bool, masked: bool = True) -> Runner:
         return runner_for(
-            self.model, self.loss, self.optimizer, self.strategy, jit=jit, clip=self.clip, guard=self.guard,
-            masked=masked,
+            self.model, self.optimizer, self.strategy, jit=jit, clip=self.clip, guard=self.guard, masked=masked
         )
+
+
+def _compile_identity(value):
+    """What identifies a compile argument: strings and numbers by value, objects by identity."""
+    if isinstance(value, dict):
+        return tuple(sorted((k, _compile_identity(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_compile_identity(v) for v in value)
+    if value is None or isinstance(value, (str, int, float)):
+        return value
+    return ("object", id(value))
+
+
+def _compile(model, *, loss, optimizer, metrics, loss_weights, jit_compile, spec) -> None:
+    """Compile ``model`` as ``fit`` needs it, unless it is compiled so already, and build its state."""
+    key = _compile_identity((loss, optimizer, metrics, loss_weights, jit_compile))
+    cache = model_cache(model)
+    if cache.get("compiled") != key or getattr(model, "optimizer", None) is not optimizer:
+        model.compile(
+            optimizer=optimizer, loss=loss, loss_weights=loss_weights, metrics=metrics,
+            jit_compile=jit_compile,
+        )
+        cache["compiled"] = key
+        _tf_internals.build_compiled_state(model, spec)
+
+
+def _check_target_shapes(model, loss, spec) -> None:
+    """Keras' own losses: targets that would broadcast into a wrong comparison raise now."""
+    inputs = tf.nest.map_structure(lambda s: keras.KerasTensor(s.shape, dtype=s.dtype.name), spec[0])
+    predictions = model.compute_output_spec(inputs) if hasattr(model, "compute_output_spec") else None
+    if predictions is None:
+        return
+    targets = spec[1]
+    if not isinstance(loss, (dict, list, tuple)):
+        if tf.is_tensor(predictions) or isinstance(predictions, keras.KerasTensor):
+            if isinstance(targets, tf.TensorSpec):
+                check_keras_loss_shapes(loss, targets, predictions)
+        return
+    names = list(getattr(model, "output_names", None) or [])
+    flat_predictions = tf.nest.flatten(predictions)
+    if isinstance(loss, dict) and isinstance(targets, dict):
+        pairs = [(loss[k], targets.get(k), flat_predictions[names.index(k)]) for k in loss if k in names]
+    elif isinstance(loss, (list, tuple)) and isinstance(targets, (list, tuple)):
+        pairs = list(zip(loss, targets, flat_predictions))
+    else:
+        return
+    for entry, target, prediction in pairs:
+        if entry is not None and isinstance(target, tf.TensorSpec):
+            check_keras_loss_shapes(entry, target, prediction)
 
 
 def _prepare(
     model, dataset, *, loss, optimizer, epochs, strategy, jit_compile, clip_global_norm, on_nonfinite,
-    max_consecutive_nonfinite, checkpoint_dir, verbose,
+    max_consecutive_nonfinite, checkpoint_dir, verbose, callbacks, metrics, loss_weights, validation,
 ) -> _Run:
     if strategy is None:
         strategy = getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
+    spec = dataset.element_spec
     with strategy.scope():
-        prepare_model(model, dataset.element_spec[0], strategy)
+        prepare_model(model, spec[0], strategy)
         if uses_float16(model) and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             optimizer = loss_scale_wrapper(model, optimizer)
         prepare_optimizer(optimizer, model)
+        _check_target_shapes(model, loss, spec)
+        _compile(
+            model, loss=loss, optimizer=optimizer, metrics=metrics, loss_weights=loss_weights,
+            jit_compile=jit_compile, spec=spec,
+        )
 
     cluster = Cluster.of(strategy)
     if cluster is not None and not cluster.is_chief:
@@ -224,7 +353,11 @@ def _prepare(
         limit=1 if on_nonfinite == "raise" else max_consecutive_nonfinite,
         verbose=verbose, cluster=cluster, checkpoint=checkpoint, history=history, start_epoch=start_epoch,
         runner=None, distributed=distributed, shared_iterator=iter(distributed) if shared else None,
-        steps_per_epoch=steps_per_epoch,
+        steps_per_epoch=steps_per_epoch, validation=validation,
+        callbacks=keras.callbacks.CallbackList(
+            callbacks, add_history=True, add_progbar=verbose != 0, verbose=verbose, epochs=epochs,
+            steps=steps_per_epoch if steps_per_epoch > 0 else None, model=model,
+        ),
     )
     run.runner = run.make_runner(jit=jit_compile)
     return run
@@ -257,23 +390,22 @@ def _resume(model, optimizer, cluster, checkpoint_dir) -> tuple[TrainingHistory,
 # --------------------------------------------------------------------------------------
 
 
-def _run_epoch(run: _Run, epoch: int) -> None:
-    history = run.history
-    if run.verbose:
-        print(f"Epoch {epoch + 1}/{run.epochs}")
-    target = run.steps_per_epoch if run.known_length else None
-    bar = None
-    if run.verbose:
-        bar = keras.utils.Progbar(target, verbose=run.verbose, stateful_metrics=("loss", "skipped"), unit_name="step")
+def _run_epoch(run: _Run, epoch: int) -> dict[str, Any]:
+    """One epoch, driven as ``fit`` drives it; returns the epoch's logs."""
+    history, model = run.history, run.model
+    model.reset_metrics()
+    run.callbacks.on_epoch_begin(epoch)
     iterator = run.shared_iterator if run.shared_iterator is not None else iter(run.distributed)
     epoch_start = history.steps
     applied_losses: list[float] = []
     consecutive = history.trailing_nonfinite()
     done = False
-    while not done:
+    while not done and not model.stop_training:
         steps_asked = run.runner.steps_per_call
         if run.known_length:
             steps_asked = min(steps_asked, run.steps_per_epoch - (history.steps - epoch_start))
+        begin_step = history.steps - epoch_start
+        run.callbacks.on_train_batch_begin(begin_step)
         result = _host_call(run, iterator, epoch, steps_asked, consecutive)
         if result is _RETRY:  # the runner changed before any step ran: ask again
             continue
@@ -290,12 +422,24 @@ def _run_epoch(run: _Run, epoch: int) -> None:
             done = bool(out["done"])
         _record(run, out, epoch, applied_losses)
         _watch_loss_scale(run)
-        if bar is not None and not done and (target is None or history.steps - epoch_start < target):
-            bar.update(history.steps - epoch_start, values=_bar_values(history, epoch_start, applied_losses))
         if consecutive >= run.limit:
             raise _nonfinite_error(history, consecutive, run.limit, run.on_nonfinite, run.loss_scaled)
+        if steps:
+            run.callbacks.on_train_batch_end(begin_step + steps - 1, _logs(run, epoch_start, final=False))
         _adapt_steps_per_call(run.runner, steps, elapsed)
-    _end_epoch(run, epoch, epoch_start, applied_losses, bar)
+    return _end_epoch(run, epoch, epoch_start, applied_losses)
+
+
+def _logs(run: _Run, epoch_start: int, *, final: bool) -> dict[str, Any]:
+    """The logs ``fit`` would pass to callbacks (the model's metrics), plus skipped steps."""
+    logs = {}
+    for name, value in run.model.get_metrics_result().items():
+        value = np.asarray(value)
+        logs[name] = float(value) if value.ndim == 0 else value.tolist()
+    skipped = len(run.history.skipped) - bisect.bisect_left(run.history.skipped, epoch_start)
+    if final or skipped:
+        logs["skipped"] = skipped
+    return logs
 
 
 _RETRY = object()
@@ -331,6 +475,7 @@ def _host_call(run: _Run, iterator, epoch: int, steps_asked: int, consecutive: i
                 stacklevel=4,
             )
             run.runner = run.make_runner(jit=False)
+            run.model.jit_compile = False  # model.evaluate (validation) would fail the same way
             return _RETRY_FRESH
         raise
     elapsed = time.perf_counter() - started
@@ -410,16 +555,29 @@ def _adapt_steps_per_call(runner: Runner, steps: int, elapsed: float) -> None:
         runner.steps_per_call = max(requested // 2, 1)
 
 
-def _end_epoch(run: _Run, epoch: int, epoch_start: int, applied_losses: list[float], bar) -> None:
-    """Close the epoch's records and progress bar, and write its checkpoint."""
+def _end_epoch(run: _Run, epoch: int, epoch_start: int, applied_losses: list[float]) -> dict[str, Any]:
+    """Close the epoch: its logs (validation included), callbacks, history, checkpoint."""
     history = run.history
     epoch_steps = history.steps - epoch_start
     if epoch_steps == 0:
         raise ValueError("dataset yielded no batch in this epoch")
     history.epoch_steps.append(epoch_steps)
     history.epoch_loss.append(float(np.mean(applied_losses)) if applied_losses else float("nan"))
-    if bar is not None:
-        bar.update(epoch_steps, values=_bar_values(history, epoch_start, applied_losses), finalize=True)
+    logs = _logs(run, epoch_start, final=True)
+    if run.validation is not None:
+        try:
+            results = run.model.evaluate(run.validation, callbacks=run.callbacks, return_dict=True, verbose=0)
+        except PEER_FAILURES as error:
+            if run.cluster is None:
+                raise
+            raise run.lost(error, epoch) from error
+        logs.update({f"val_{name}": float(np.asarray(value)) for name, value in results.items()})
+    run.callbacks.on_epoch_end(epoch, logs)
+    # What Keras' History recorded: the logs after every callback added to them (e.g.
+    # learning_rate); the earlier epochs of a resumed run come from the checkpoint.
+    recorded = next(c for c in run.callbacks.callbacks if isinstance(c, keras.callbacks.History)).history
+    for name, values in recorded.items():
+        history.history.setdefault(name, []).append(values[-1])
     if run.checkpoint is not None:
         try:
             run.checkpoint.save(epoch + 1, history)
@@ -427,17 +585,7 @@ def _end_epoch(run: _Run, epoch: int, epoch_start: int, applied_losses: list[flo
             if run.cluster is None:
                 raise
             raise run.lost(error, epoch) from error
-
-
-def _bar_values(history: TrainingHistory, epoch_start: int, applied_losses: list[float]) -> list[tuple[str, float]]:
-    """Progress-bar metrics: the epoch's mean loss of applied steps, and its skipped count if any."""
-    values = []
-    if applied_losses:
-        values.append(("loss", float(np.mean(applied_losses))))
-    skipped = len(history.skipped) - bisect.bisect_left(history.skipped, epoch_start)
-    if skipped:
-        values.append(("skipped", skipped))
-    return values
+    return logs
 
 
 def _nonfinite_error(history, consecutive, limit, on_nonfinite, loss_scaled) -> NonFiniteError:

@@ -145,6 +145,11 @@ class TrainingHistory:
             the non-finite gradients were then not an overflow that a smaller scale can
             fix (a warning is issued at the same time).
         xla: whether the steps ran XLA-compiled (``None`` before the first step).
+        history: per completed epoch, the logs ``model.fit`` would record in its
+            :class:`keras.callbacks.History`: ``loss`` (the batch-size-weighted mean of
+            the applied steps' losses), each metric, ``val_`` entries with
+            ``validation_data``, whatever callbacks add (e.g. ``learning_rate``), and
+            ``skipped``, the number of skipped steps of the epoch.
         update: how the last step's update was compiled (``None`` before the first
             step): ``"masked"`` (one XLA function; every variable write selects between
             the new and the old value), ``"whole"`` (one XLA function, the update under
@@ -164,6 +169,7 @@ class TrainingHistory:
     loss_scale_stalled: bool = False
     xla: bool | None = None
     update: str | None = None
+    history: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
     @property
     def steps(self) -> int:

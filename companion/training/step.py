@@ -23,7 +23,6 @@ import tensorflow as tf
 
 from companion import _tf_internals
 from companion._gradients import global_norm, nonfinite_counts, scale_gradient
-from companion.losses import mean_loss
 from companion.training.masking import masked_writes
 
 #: When the update cannot be masked: from this many trainable parameters on, it runs
@@ -74,10 +73,9 @@ class Runner:
     """
 
     def __init__(
-        self, model, loss, optimizer, strategy, *, jit: bool, clip: float | None, guard: bool, masked: bool = True
+        self, model, optimizer, strategy, *, jit: bool, clip: float | None, guard: bool, masked: bool = True
     ) -> None:
         self._model = weakref.ref(model)
-        self.loss = loss
         self.optimizer = optimizer
         self.loss_scaler = optimizer if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) else None
         self.inner = self.loss_scaler.inner_optimizer if self.loss_scaler is not None else optimizer
@@ -92,7 +90,15 @@ class Runner:
         self.presummed = self.replicas > 1 and _tf_internals.can_skip_optimizer_all_reduce(self.inner)
         # Variables the forward pass may change (batch-norm statistics, dropout seeds):
         # restored on a skipped step.
-        self.state = list(model.non_trainable_variables) if guard else []
+        # The optimizer's loss_scale_factor (fit multiplies the loss by it; apply divides).
+        self.factor = getattr(self.inner, "loss_scale_factor", None)
+        self.loss_tracker = next(
+            (m for m in model.metrics if m.name == "loss" and isinstance(m, keras.metrics.Mean)), None
+        )
+        # State a skipped step must leave as it was: what the forward pass may change
+        # (batch-norm statistics, dropout seeds) and the metrics it updated.
+        state = {id(v): v for v in [*model.non_trainable_variables, *model.metrics_variables]}
+        self.state = list(state.values()) if guard else []
         self.present: list[int] | None = None
         self.verified = False  # one call has run without error
         self.steps_per_call = 1
@@ -131,25 +137,36 @@ class Runner:
 
     # -- one step ----------------------------------------------------------------------
 
-    def _forward(self, x, y, scale):
+    def _forward(self, x, y, weights, scale):
+        """This replica's loss (as ``fit`` computes it), its gradients, and the metric updates."""
         model = self._model()
         with tf.GradientTape() as tape:
             y_pred = model(x, training=True)
-            value = mean_loss(self.loss, y, y_pred)
-            if model.losses:
-                value = value + tf.cast(tf.add_n(model.losses), tf.float32)
+            value = tf.cast(model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=weights), tf.float32)
+            count = _batch_size(y)
             if self.replicas > 1:
+                # Keras divides its compiled loss (not the regularisation losses) by the
+                # number of replicas; undo that to get this replica's mean loss.
+                regularization = tf.cast(tf.add_n(model.losses), tf.float32) if model.losses else 0.0
+                value = (value - regularization) * float(self.replicas) + regularization
                 # This replica's share of the batch mean: its examples' total, which
                 # _compute divides by the global batch size (replicas may get unequal
                 # parts of a batch, or an empty one at the end of a worker's data).
-                count = _batch_size(y)
                 local = tf.where(count > 0, value * count, tf.zeros_like(value))
             else:
                 local = value
             scaled = local * scale if self.loss_scaler is not None else local
+            if self.factor is not None:
+                scaled = scaled * self.factor  # the optimizer's scale_loss, as fit applies it
         gradients = tape.gradient(scaled, self.variables)
         if self.loss_scaler is not None:
             gradients = [scale_gradient(g, 1.0 / scale) for g in gradients]
+        if self.factor is not None:
+            gradients = [scale_gradient(g, 1.0 / self.factor) for g in gradients]
+        # The metrics of this step (undone with the rest of the state on a skipped step).
+        if self.loss_tracker is not None:
+            self.loss_tracker.update_state(tf.where(count > 0, value, 0.0), sample_weight=count)
+        model.compute_metrics(x, y, y_pred, sample_weight=weights)
         return local, gradients
 
     def _replica_step(self, batch, scale):
@@ -160,8 +177,8 @@ class Runner:
 
     def _compute(self, batch, scale):
         """Loss, gradients (summed over replicas), their norm, the finiteness test, clipping."""
-        x, y = batch
-        loss, gradients = self.forward_fn(x, y, scale)
+        x, y, weights = keras.utils.unpack_x_y_sample_weight(batch)
+        loss, gradients = self.forward_fn(x, y, weights, scale)
         gradients = list(gradients)
         self.present = [i for i, g in enumerate(gradients) if g is not None]
         if self.replicas > 1:
@@ -204,7 +221,10 @@ class Runner:
         return [clipped[i] for i in self.present], unclipped, loss, norm, finite
 
     def _apply(self, gradients):
-        self.inner.apply(list(gradients), [self.variables[i] for i in self.present])
+        gradients = list(gradients)
+        if self.factor is not None:  # the optimizer divides by its loss_scale_factor itself
+            gradients = [scale_gradient(g, self.factor) for g in gradients]
+        self.inner.apply(gradients, [self.variables[i] for i in self.present])
 
     @contextlib.contextmanager
     def _summed_gradients(self):
@@ -368,9 +388,9 @@ def loss_scale_wrapper(model, optimizer) -> keras.optimizers.LossScaleOptimizer:
     return wrapper
 
 
-def runner_for(model, loss, optimizer, strategy, *, jit, clip, guard, masked=True) -> Runner:
+def runner_for(model, optimizer, strategy, *, jit, clip, guard, masked=True) -> Runner:
+    """The cached :class:`Runner` for this set-up (a new one after ``compile`` made new metrics)."""
     key = (
-        id(loss),
         id(optimizer),
         id(strategy),
         bool(jit),
@@ -379,12 +399,13 @@ def runner_for(model, loss, optimizer, strategy, *, jit, clip, guard, masked=Tru
         masked,
         tuple(id(v) for v in model.trainable_variables),
         tuple(id(v) for v in model.non_trainable_variables),
+        tuple(id(v) for v in model.metrics_variables),
     )
     cache = model_cache(model)
     if masked and cache.get(("unmaskable", id(optimizer))):
-        return runner_for(model, loss, optimizer, strategy, jit=jit, clip=clip, guard=guard, masked=False)
+        return runner_for(model, optimizer, strategy, jit=jit, clip=clip, guard=guard, masked=False)
     runner = cache.get(key)
-    if runner is None or (runner.loss, runner.optimizer, runner.strategy) != (loss, optimizer, strategy):
-        runner = Runner(model, loss, optimizer, strategy, jit=jit, clip=clip, guard=guard, masked=masked)
+    if runner is None or (runner.optimizer, runner.strategy) != (optimizer, strategy):
+        runner = Runner(model, optimizer, strategy, jit=jit, clip=clip, guard=guard, masked=masked)
         cache[key] = runner
     return runner
