@@ -92,6 +92,9 @@ def test_ci_runs_the_readme_test_command_and_requires_the_browser():
     assert "command -v chromium" in CI and "apt-get install" in CI and "chromium-driver" in CI
     assert "export CI_REQUIRE_BROWSER=1" in CI
     assert CI.index("CI_REQUIRE_BROWSER=1") < CI.index(test)
+    # The README's commands must work with the pip that Python brings: CI does not upgrade it.
+    locked_env = CI[CI.index("python3 -m venv .venv\n"):CI.index(test)]
+    assert not re.search(r"pip install .*(--upgrade|-U) pip", locked_env)
 
 
 def test_pages_build_a_release_tag_with_only_the_book_lock_and_publish_build_html():
