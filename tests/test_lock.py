@@ -102,6 +102,7 @@ def test_the_book_lock_is_the_full_lock_restricted_to_what_the_build_needs():
     assert {"jupyter-book", "sphinxext-opengraph", "sphinx-sitemap", "tensorflow"} <= set(book)
 
 
+@pytest.mark.lock
 def test_the_test_environment_is_exactly_the_lock():
     """Every locked package is installed at its pinned version, and nothing else is
     installed (apart from the installer that a fresh virtual environment starts with)."""
