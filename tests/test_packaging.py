@@ -112,6 +112,8 @@ def test_sdist_carries_the_licence_and_the_package_description(distributions):
         assert archive.extractfile(f"{root}/LICENSE").read() == (book_tools.ROOT / "LICENSE").read_bytes()
         assert f"{root}/companion/py.typed" in names
         assert f"{root}/companion/README.md" in names
+        # Nothing that needs the repository around it (MANIFEST.in).
+        assert not [n for n in names if n.startswith(f"{root}/tests/")]
 
 
 @pytest.mark.slow
