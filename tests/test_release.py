@@ -170,3 +170,16 @@ def test_contributing_documents_the_lock_refresh_and_the_release_steps():
         assert step in CONTRIBUTING, f"CONTRIBUTING.md's release steps do not mention {step!r}"
     lock_script = (ROOT / "scripts" / "lock.sh").read_text()
     assert "uv pip compile" in lock_script and "--universal" in lock_script
+
+
+def test_changing_the_repository_rewrites_the_book_url_too(tmp_path, monkeypatch):
+    import refresh_notebooks
+
+    old = book_tools.repository_url()
+    page = tmp_path / "CITATION.cff"
+    page.write_text(f"repository-code: {old}\nurl: {book_tools.pages_url(old)}\n")
+    monkeypatch.setattr(book_tools, "linked_pages", lambda: [page])
+    refresh_notebooks.sync_links(old, "https://github.com/Fork-Owner/fork-book")
+    assert page.read_text() == (
+        "repository-code: https://github.com/Fork-Owner/fork-book\nurl: https://fork-owner.github.io/fork-book/\n"
+    )
