@@ -4,6 +4,7 @@ derived from repository.url everywhere it is spelled out."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -32,6 +33,9 @@ def test_code_is_mit_and_the_book_cc_by_4_named_in_readme_and_pyproject():
     book = (ROOT / "LICENSE-BOOK").read_text()
     assert "Creative Commons Attribution 4.0 International" in book
     assert "https://creativecommons.org/licenses/by/4.0/legalcode" in book
+    # The whole legal code, not only its name.
+    sections = re.findall(r"^Section (\d) – ", book, re.M)
+    assert sections == [str(n) for n in range(1, 9)], sections
     assert "[MIT](LICENSE)" in README and "([LICENSE-BOOK](LICENSE-BOOK))" in README and "CC BY 4.0" in README
     import tomllib
 
