@@ -34,6 +34,22 @@ def repository_url() -> str:
     return config["repository"]["url"].rstrip("/")
 
 
+def pages_url(url: str | None = None) -> str:
+    """Where GitHub Pages publishes the book of ``repository.url``: ``https://<owner>.github.io/<repo>/``.
+
+    ``html.baseurl`` in ``_config.yml`` (canonical URLs, OpenGraph, sitemap) must be this URL.
+    """
+    owner, repo = re.sub(r"^https?://github\.com/", "", url or repository_url()).removesuffix(".git").split("/")[:2]
+    return f"https://{owner.lower()}.github.io/{repo}/"
+
+
+def html_baseurl() -> str:
+    import yaml
+
+    config = yaml.safe_load((ROOT / "_config.yml").read_text())
+    return (config.get("html") or {}).get("baseurl", "")
+
+
 def repository_branch() -> str:
     import yaml
 
@@ -122,11 +138,21 @@ def first_code_cell(nb: dict) -> dict | None:
     return next((c for c in nb["cells"] if c["cell_type"] == "code"), None)
 
 
-LINKED_PAGES = ("README.md", "CHANGELOG.md", "book/**/*.md")
+LINKED_PAGES = (
+    "README.md",
+    "CHANGELOG.md",
+    "CONTRIBUTING.md",
+    "CITATION.cff",
+    "pyproject.toml",
+    "_config.yml",
+    "companion/README.md",
+    ".github/ISSUE_TEMPLATE/*.yml",
+    "book/**/*.md",
+)
 
 
 def linked_pages() -> list[pathlib.Path]:
-    """The pages that spell out the repository URL (the notebooks get it from their Colab cell)."""
+    """The files that spell out the repository URL or the book's URL (the notebooks get it from their Colab cell)."""
     pages = []
     for pattern in LINKED_PAGES:
         pages.extend(p for p in ROOT.glob(pattern) if "_build" not in p.parts)
@@ -137,3 +163,32 @@ def installed_url(cell_source: str) -> str | None:
     """The repository URL a Colab cell installs from, or None."""
     match = re.search(r"git\+(\S+?)@v", cell_source)
     return match.group(1) if match else None
+
+
+def with_repository_branch(config_text: str, branch: str) -> str:
+    """``_config.yml``'s text with ``repository.branch`` set to ``branch`` (comments kept).
+
+    The release workflow builds the book from a tag with ``branch`` = the tag, so that the
+    launch buttons open the notebooks of the release whose version the install cells name.
+    """
+    if not re.fullmatch(r"[\w./-]+", branch):
+        raise ValueError(f"branch must be a git ref name, got {branch!r}")
+    pattern = re.compile(r"^(repository:\n(?:[ \t]+.*\n|[ \t]*\n)*?[ \t]+branch:[ \t]*)\S+", re.M)
+    new, count = pattern.subn(lambda m: m.group(1) + branch, config_text, count=1)
+    if count != 1:
+        raise ValueError("_config.yml has no repository.branch setting")
+    return new
+
+
+def changelog_entry(version: str, changelog: str | None = None) -> str:
+    """The body of ``CHANGELOG.md``'s section ``## [version] - date`` (without its heading).
+
+    Raises:
+        ValueError: if the changelog has no dated section for ``version``.
+    """
+    text = changelog if changelog is not None else (ROOT / "CHANGELOG.md").read_text()
+    match = re.search(rf"^## \[{re.escape(version)}\] - \d{{4}}-\d{{2}}-\d{{2}}[ \t]*\n(.*?)(?=^## |^\[[^\]]+\]: |\Z)",
+                      text, re.M | re.S)
+    if not match or not match.group(1).strip():
+        raise ValueError(f"CHANGELOG.md has no dated entry `## [{version}] - YYYY-MM-DD` with content")
+    return match.group(1).strip() + "\n"

@@ -65,11 +65,16 @@ def refresh(path: pathlib.Path, execute: bool = True, timeout: int = 300) -> Non
 
 
 def sync_links(old_url: str, new_url: str) -> None:
-    """Replace the previous repository URL in README.md and the book's pages."""
+    """Replace the previous repository URL, and the book's URL derived from it, in README.md,
+    the book's pages and the other files of ``book_tools.LINKED_PAGES``."""
+    replacements = {old_url: new_url, book_tools.pages_url(old_url): book_tools.pages_url(new_url)}
     for page in book_tools.linked_pages():
         text = page.read_text()
-        if old_url in text:
-            page.write_text(text.replace(old_url, new_url))
+        new_text = text
+        for old, new in replacements.items():
+            new_text = new_text.replace(old, new)
+        if new_text != text:
+            page.write_text(new_text)
             print(f"{page}: repository links now point to {new_url}")
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html.parser
 import importlib
+import inspect
 import pkgutil
 import re
 
@@ -146,3 +147,88 @@ def test_math_is_rendered_by_the_bundled_mathjax_not_a_cdn(built_book):
             fonts = target.parent / "output" / "chtml" / "fonts" / "woff-v2"
             assert len(list(fonts.glob("*.woff"))) > 10, f"MathJax's fonts are missing from {fonts}"
     assert pages_with_math >= 5, "the chapters' math should load MathJax"
+
+
+# --- source links, sharing metadata, sitemap, licences --------------------------------------
+
+
+def _source_link(api_html: str, anchor: str) -> str | None:
+    """The [source] link of the API entry with this id, or None."""
+    start = api_html.find(f'id="{anchor}"')
+    if start < 0:
+        return None
+    signature = api_html[start:api_html.index("</dt>", start)]
+    match = re.search(r'href="([^"]*_modules/[^"]*)"><span class="viewcode-link">', signature)
+    return match.group(1) if match else None
+
+
+@pytest.mark.parametrize("submodule", _public_submodules())
+def test_every_public_function_and_class_links_to_its_source(built_book, submodule):
+    module = importlib.import_module(f"companion.{submodule}")
+    page = built_book.page(API_PAGE)
+    api_html = page.read_text()
+    for name in _public_names(module):
+        obj = getattr(module, name)
+        if not (inspect.isfunction(obj) or inspect.isclass(obj)):
+            continue  # constants have no source location of their own
+        link = _source_link(api_html, f"companion.{submodule}.{name}")
+        assert link, f"companion.{submodule}.{name} has no [source] link on the API page"
+        target, _, anchor = link.partition("#")
+        source_page = (page.parent / target).resolve()
+        assert source_page.is_file() and source_page.is_relative_to(built_book.html / "_modules"), link
+        # The link lands on the highlighted definition, in the module that defines it.
+        assert f'<div class="viewcode-block" id="{anchor}">' in source_page.read_text(), link
+        defining = inspect.getmodule(obj).__name__
+        assert source_page == (built_book.html / "_modules" / (defining.replace(".", "/") + ".html")).resolve()
+
+
+class _Head(html.parser.HTMLParser):
+    """The <meta property=...>, <meta name=...> and <link rel=canonical> of a page."""
+
+    def __init__(self):
+        super().__init__()
+        self.meta: dict[str, str] = {}
+        self.canonical: str | None = None
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "meta" and (attrs.get("property") or attrs.get("name")):
+            self.meta.setdefault(attrs.get("property") or attrs.get("name"), attrs.get("content", ""))
+        if tag == "link" and attrs.get("rel") == "canonical":
+            self.canonical = attrs["href"]
+
+
+@pytest.mark.parametrize("source", PAGES, ids=[_rel(p) for p in PAGES])
+def test_every_page_has_a_canonical_url_and_opengraph_metadata(built_book, source):
+    page = built_book.page(source)
+    head = _Head()
+    head.feed(page.read_text())
+    url = book_tools.pages_url() + page.relative_to(built_book.html).as_posix()
+    assert head.canonical == url, f"{_rel(page)}: canonical {head.canonical}, expected {url}"
+    assert head.meta.get("og:url") == url
+    assert head.meta.get("og:title"), f"{_rel(page)} has no og:title"
+    assert head.meta.get("og:site_name") == "NaN gradients in TensorFlow"
+    assert len(head.meta.get("og:description", "")) > 40, f"{_rel(page)}: no useful og:description"
+    image = head.meta.get("og:image", "")
+    assert image.startswith(book_tools.pages_url()), f"{_rel(page)}: og:image {image!r} is not an absolute URL"
+    # The social card is an image the build drew, and it is published with the book.
+    card = built_book.html / image.removeprefix(book_tools.pages_url())
+    assert card.is_file() and card.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{_rel(page)}: no card at {card}"
+
+
+def test_sitemap_lists_every_page_of_the_book(built_book):
+    sitemap = built_book.html / "sitemap.xml"
+    assert sitemap.is_file(), "the build wrote no sitemap.xml"
+    urls = set(re.findall(r"<loc>([^<]+)</loc>", sitemap.read_text()))
+    for source in PAGES:
+        url = book_tools.pages_url() + built_book.page(source).relative_to(built_book.html).as_posix()
+        assert url in urls, f"sitemap.xml does not list {url}"
+    assert all(u.startswith(book_tools.pages_url()) for u in urls)
+    assert not {u for u in urls if u.endswith(("/search.html", "/genindex.html"))}
+
+
+def test_every_page_names_the_book_and_code_licences(built_book):
+    for source in PAGES:
+        hrefs = _parse(built_book.page(source)).hrefs
+        assert "https://creativecommons.org/licenses/by/4.0/" in hrefs, f"{_rel(source)}: no CC BY 4.0 link"
+        assert f"{book_tools.repository_url()}/blob/main/LICENSE" in hrefs, f"{_rel(source)}: no MIT licence link"
