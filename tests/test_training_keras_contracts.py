@@ -233,28 +233,40 @@ def test_early_stopping_restores_the_best_weights_and_stops():
 
 
 def test_model_checkpoint_csv_logger_lr_schedule_and_plateau(tmp_path):
+    def callbacks(directory):
+        directory.mkdir()
+        return [
+            keras.callbacks.ModelCheckpoint(str(directory / "epoch{epoch}.keras")),
+            keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.05 / (epoch + 1)),
+            keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=1e9),
+            keras.callbacks.CSVLogger(str(directory / "log.csv")),  # last: it sees what the others log
+        ]
+
     dataset = tf.data.Dataset.from_tensor_slices((X, Y)).batch(BATCH)
-    callbacks = [
-        keras.callbacks.ModelCheckpoint(str(tmp_path / "epoch{epoch}.keras")),
-        keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.05 / (epoch + 1)),
-        keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=1e9),
-        keras.callbacks.CSVLogger(str(tmp_path / "log.csv")),  # last: it sees what the others log
-    ]
-    optimizer = keras.optimizers.SGD(0.05)
-    model = _sequential()
+    keras.utils.set_random_seed(0)
+    reference = _sequential()
+    reference.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"], jit_compile=True)
+    fitted = reference.fit(dataset, epochs=3, verbose=0, shuffle=False, callbacks=callbacks(tmp_path / "fit")).history
+    keras.utils.set_random_seed(0)
+    model, optimizer = _sequential(), keras.optimizers.SGD(0.05)
     history = train(model, dataset, loss="mse", optimizer=optimizer, metrics=["mae"], epochs=3,
-                    callbacks=callbacks, verbose=0)
-    assert sorted(p.name for p in tmp_path.glob("*.keras")) == ["epoch1.keras", "epoch2.keras", "epoch3.keras"]
-    restored = keras.models.load_model(tmp_path / "epoch3.keras")
+                    callbacks=callbacks(tmp_path / "train"), verbose=0)
+    _assert_same(reference, fitted, model, history)
+    # The learning rate of each epoch (the schedule's), logged as fit logs it; the plateau halved the last.
+    assert history.history["learning_rate"] == pytest.approx([0.05, 0.025, 0.05 / 3])
+    assert float(optimizer.learning_rate) == pytest.approx(0.05 / 3 / 2)
+    directory = tmp_path / "train"
+    assert sorted(p.name for p in directory.glob("*.keras")) == ["epoch1.keras", "epoch2.keras", "epoch3.keras"]
+    restored = keras.models.load_model(directory / "epoch3.keras")
     for a, b in zip(restored.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(a, b)
-    with open(tmp_path / "log.csv") as file:
+    with open(directory / "log.csv") as file:
         rows = list(csv.DictReader(file))
-    assert [float(r["loss"]) for r in rows] == pytest.approx(history.history["loss"])
-    assert {"epoch", "loss", "mae", "skipped", "learning_rate"} <= set(rows[0])
-    # The schedule sets 0.05 / (epoch + 1) at each epoch's start; the plateau halves it at its end.
-    assert history.history["learning_rate"] == pytest.approx([0.025, 0.0125, 0.05 / 3 / 2])
-    assert float(optimizer.learning_rate) == pytest.approx(0.05 / 3 / 2)
+    with open(tmp_path / "fit" / "log.csv") as file:
+        fit_rows = list(csv.DictReader(file))
+    assert [float(r["loss"]) for r in rows] == pytest.approx([float(r["loss"]) for r in fit_rows], rel=1e-5)
+    # CSVLogger adds an empty val_ column for every key when there is no validation.
+    assert set(rows[0]) - set(fit_rows[0]) == {"skipped", "val_skipped"}
     assert model.history.history["loss"] == history.history["loss"]
 
 

@@ -1,11 +1,14 @@
-"""companion.training.train under MultiWorkerMirroredStrategy, and the launcher companion.launch.
+"""companion.training.train under MultiWorkerMirroredStrategy (the launcher's own tests are in test_launch.py).
 
-Every scenario starts real worker processes on 127.0.0.1 (free ports, ``TF_CONFIG`` set by
-:func:`companion.launch.launch`); nothing leaves the loopback interface. Each worker runs
+Every scenario starts real worker processes with :func:`companion.launch.launch`, in its
+private, loopback-only network namespace (free ports, ``TF_CONFIG`` set by the
+launcher); nothing can reach the workers from outside. Each worker runs
 tests/multiworker_worker.py and writes what it saw to a JSON file. A TensorFlow import
 takes seconds, so each launch runs several checks: a two-worker run (clean, poisoned, and
 ``on_nonfinite="raise"``), a three-worker clean run, and a two-worker run in which worker
-1 kills itself mid-epoch, followed by a restart that resumes from the checkpoint.
+1 kills itself mid-epoch (the default strategy, a Python input pipeline), followed by a
+restart that resumes from the checkpoint. The kill matrix (``-m killmatrix``, run once by
+.ci/run) kills a worker at every moment of training.
 """
 
 from __future__ import annotations
