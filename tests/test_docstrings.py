@@ -11,9 +11,11 @@ import doctest
 import importlib
 
 import keras
+import matplotlib
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.python.framework.config import disable_op_determinism, is_op_determinism_enabled
 
 import companion
 
@@ -31,6 +33,17 @@ def _public_examples():
 
 
 EXAMPLES = list(_public_examples())
+
+
+@pytest.fixture(autouse=True)
+def _restore_global_state():
+    """An example may call companion.notebook.setup(): later tests get TF's and matplotlib's defaults back."""
+    determinism = is_op_determinism_enabled()
+    params = dict(matplotlib.rcParams)
+    yield
+    if not determinism and is_op_determinism_enabled():
+        disable_op_determinism()
+    matplotlib.rcParams.update(params)
 
 
 @pytest.mark.parametrize("test", EXAMPLES)
