@@ -35,6 +35,8 @@ parser.add_argument("--scenario", choices=["main", "clean", "die", "resume"], re
 parser.add_argument("--checkpoint-dir")
 parser.add_argument("--die-worker", type=int, default=1)
 parser.add_argument("--die-at-batch", type=int, default=20)
+parser.add_argument("--die-by", choices=["SIGKILL", "SIGSTOP"], default="SIGKILL",
+                    help="SIGSTOP: the worker stops responding without dying")
 parser.add_argument("--collective-timeout", type=float, default=None,
                     help="CommunicationOptions(timeout_seconds=...); default: the strategy people create, no options")
 parser.add_argument("--sleep-per-batch", type=float, default=0.0,
@@ -67,8 +69,10 @@ def count_batches(x):
     if options.sleep_per_batch:
         time.sleep(options.sleep_per_batch)
     if options.scenario == "die" and task == options.die_worker and len(batches_read) == options.die_at_batch:
-        print(f"killing myself at batch {len(batches_read)}", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
+        print(f"{options.die_by} to myself at batch {len(batches_read)}", flush=True)
+        with open(os.path.join(options.out, f"died-at-{task}"), "w") as file:
+            file.write(repr(time.time()))
+        os.kill(os.getpid(), getattr(signal, options.die_by))
     return x
 
 

@@ -205,22 +205,38 @@ KILL_MOMENTS = {
 }
 
 
-KILLS = [(moment, "1") for moment in KILL_MOMENTS] + [("mid-epoch", "0"), ("between-epochs-while-the-chief-checkpoints", "0")]
+KILLS = [(moment, "1", "SIGKILL") for moment in KILL_MOMENTS] + [
+    ("mid-epoch", "0", "SIGKILL"),
+    ("between-epochs-while-the-chief-checkpoints", "0", "SIGKILL"),
+    ("mid-epoch", "1", "SIGSTOP"),  # alive but not responding: found by the coordination service's heartbeats
+]
 
 
 @pytest.mark.killmatrix
-@pytest.mark.parametrize("moment, killed", KILLS, ids=[f"{m}-worker-{k}-killed" for m, k in KILLS])
-def test_kill_matrix_every_survivor_exits_in_bounded_time_and_checkpoints_stay_complete(moment, killed, tmp_path):
+@pytest.mark.parametrize(
+    "moment, killed, signal_name", KILLS, ids=[f"{m}-worker-{k}-{s}" for m, k, s in KILLS]
+)
+def test_kill_matrix_every_survivor_exits_in_bounded_time_and_checkpoints_stay_complete(
+    moment, killed, signal_name, tmp_path
+):
     checkpoints = tmp_path / "checkpoints"
-    result, _ = run_workers(
+    result, reports = run_workers(
         tmp_path, "die", 2, "--checkpoint-dir", str(checkpoints), "--die-worker", killed,
-        "--die-at-batch", KILL_MOMENTS[moment], "--sleep-per-batch", SLEEP_PER_BATCH,
+        "--die-at-batch", KILL_MOMENTS[moment], "--sleep-per-batch", SLEEP_PER_BATCH, "--die-by", signal_name,
     )
     dead = result.workers[int(killed)]
     survivor = result.workers[1 - int(killed)]
-    assert dead.returncode == -9, failure(result)
     assert survivor.returncode != 0 and not survivor.stopped, failure(result)
-    assert survivor.seconds - dead.seconds < SURVIVOR_EXIT_BOUND, failure(result)
+    if signal_name == "SIGKILL":
+        assert dead.returncode == -9, failure(result)
+        assert survivor.seconds - dead.seconds < SURVIVOR_EXIT_BOUND, failure(result)
+    else:
+        # The stopped worker never exits by itself (the launcher ends it); the survivor
+        # raised WorkerLostError within the bound of the moment its peer stopped.
+        assert dead.stopped, failure(result)
+        stopped_at = float((tmp_path / "die-2" / f"died-at-{killed}").read_text())
+        lost_at = reports[1 - int(killed)]["lost"]["time"]
+        assert lost_at - stopped_at < SURVIVOR_EXIT_BOUND, failure(result)
     files = sorted(os.listdir(checkpoints)) if checkpoints.exists() else []
     # Only complete checkpoints: every index file has its data file, and "checkpoint" names one of them.
     indexes = [f[: -len(".index")] for f in files if f.endswith(".index")]

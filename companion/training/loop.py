@@ -152,7 +152,12 @@ def train(
             ``"exit"`` (it ends with exit code 1 at interpreter exit, without
             TensorFlow's teardown, and at the latest 30 s after the error, so that a
             scheduler can restart the job: TensorFlow's runtime can otherwise keep it
-            alive, blocked on the lost peer) or ``"raise"`` (only raise).
+            alive, blocked on the lost peer) or ``"raise"`` (only raise). What bounds a
+            survivor's exit: detecting the loss (a crashed peer breaks the connection at
+            once; a crashed or stopped one stops its heartbeats to TensorFlow's
+            coordination service, which aborts the collectives within about ten seconds;
+            a collective timeout, if the strategy sets one, bounds any wait), then at most
+            30 s. The tests kill workers at every moment of training and require 60 s.
         verbose: 0 prints nothing, 1 shows Keras' progress bar per epoch, 2 prints one
             line per epoch.
 
