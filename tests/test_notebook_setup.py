@@ -49,3 +49,45 @@ def test_setup_enables_op_determinism_and_book_style():
 def test_setup_rejects_bad_seed(seed, error):
     with pytest.raises(error, match="seed"):
         setup(seed=seed)
+
+
+def test_html_table_renders_a_header_and_formatted_cells():
+    from companion.notebook import html_table
+
+    table = html_table(
+        [["tf.pow", float("nan"), True, np.int64(3)], ["safe_pow", np.float32(0.125), False, 0]],
+        ["power", "d/dx", "finite", "count"],
+        caption="at x = 0",
+        float_format=".2f",
+    )
+    page = table._repr_html_()
+    assert page.count("<tr>") == 3 and page.count("<th>") == 4
+    assert "<caption>at x = 0</caption>" in page
+    assert '<td style="text-align: right">0.12</td>' in page  # float32 formatted, right-aligned
+    assert '<td style="text-align: right">nan</td>' in page
+    assert "<td>tf.pow</td>" in page
+    assert table.rows == (("tf.pow", "nan", "True", "3"), ("safe_pow", "0.12", "False", "0"))
+    assert repr(table).splitlines()[1].split()[0] == "power"
+
+
+def test_html_table_escapes_text():
+    from companion.notebook import html_table
+
+    page = html_table([["a < b & c"]], ["<x>"])._repr_html_()
+    assert "<th>&lt;x&gt;</th>" in page and "<td>a &lt; b &amp; c</td>" in page
+
+
+@pytest.mark.parametrize(
+    ("rows", "header", "error", "match"),
+    [
+        ("abc", None, TypeError, "sequence of rows"),
+        ([1, 2], None, TypeError, "row 0"),
+        ([[1, 2], [3]], None, ValueError, "same number of cells"),
+        ([[1, 2]], ["a"], ValueError, "header has 1 names"),
+    ],
+)
+def test_html_table_rejects_ragged_or_non_tabular_input(rows, header, error, match):
+    from companion.notebook import html_table
+
+    with pytest.raises(error, match=match):
+        html_table(rows, header)
