@@ -139,7 +139,9 @@ class AttentionBlock(keras.layers.Layer):
         scaled: scale the scores by ``1/sqrt(key_dim)``; ``False`` is case A's seed form.
         layer_norm: apply :class:`keras.layers.LayerNormalization` after the residual sum.
         epsilon: the layer normalisation's epsilon.
-        kernel_initializer: initializer of the four kernels.
+        kernel_initializer: initializer of the four kernels; each kernel gets its own
+            copy (a seeded initializer's seed is offset per kernel), so the query, key
+            and value kernels start different.
         **kwargs: base layer arguments (``name``, ``dtype``, ...).
 
     Call arguments:
@@ -184,30 +186,86 @@ class AttentionBlock(keras.layers.Layer):
         if self.layer_norm:
             self.norm = keras.layers.LayerNormalization(epsilon=self.epsilon, dtype=self.dtype_policy, name="norm")
 
+    def _kernel_initializer_for(self, index: int):
+        """A fresh copy of ``kernel_initializer`` for kernel ``index`` (0-3: query, key, value, output).
+
+        In Keras 3 an initializer instance is stateless: called twice with the same
+        shape, it returns the same values (an unseeded one draws its seed once, when it
+        is made). Passing one instance to the four kernels would start the query, key
+        and value kernels identical, so every head would start with ``q = k = v`` up to
+        the biases. Keras' ``MultiHeadAttention`` clones the initializer per sub-layer
+        for this reason; an unseeded clone draws a new seed. A clone of a seeded
+        initializer would draw the same values again, so its seed is offset by
+        ``index``: still reproducible, and different per kernel.
+        """
+        initializer = self.kernel_initializer
+        if not isinstance(initializer, keras.initializers.Initializer):
+            return initializer  # a plain callable: the user's own
+        config = initializer.get_config()
+        seed = config.get("seed")
+        if isinstance(seed, int) and not isinstance(seed, bool):
+            config["seed"] = seed + index
+        return initializer.__class__.from_config(config)
+
     def build(self, input_shape):
         if len(input_shape) != 3 or input_shape[-1] is None:
             raise ValueError(f"AttentionBlock expects inputs of shape (batch, n, d_model), got {tuple(input_shape)}")
         d_model = int(input_shape[-1])
         projection = (d_model, self.num_heads, self.key_dim)
-        self.query_kernel = self.add_weight(name="query_kernel", shape=projection, initializer=self.kernel_initializer)
-        self.key_kernel = self.add_weight(name="key_kernel", shape=projection, initializer=self.kernel_initializer)
-        self.value_kernel = self.add_weight(name="value_kernel", shape=projection, initializer=self.kernel_initializer)
+        self.query_kernel = self.add_weight(
+            name="query_kernel", shape=projection, initializer=self._kernel_initializer_for(0)
+        )
+        self.key_kernel = self.add_weight(name="key_kernel", shape=projection, initializer=self._kernel_initializer_for(1))
+        self.value_kernel = self.add_weight(
+            name="value_kernel", shape=projection, initializer=self._kernel_initializer_for(2)
+        )
         bias_shape = (self.num_heads, self.key_dim)
         self.query_bias = self.add_weight(name="query_bias", shape=bias_shape, initializer="zeros")
         self.key_bias = self.add_weight(name="key_bias", shape=bias_shape, initializer="zeros")
         self.value_bias = self.add_weight(name="value_bias", shape=bias_shape, initializer="zeros")
         self.output_kernel = self.add_weight(
-            name="output_kernel", shape=(self.num_heads, self.key_dim, d_model), initializer=self.kernel_initializer
+            name="output_kernel",
+            shape=(self.num_heads, self.key_dim, d_model),
+            initializer=self._kernel_initializer_for(3),
         )
         self.output_bias = self.add_weight(name="output_bias", shape=(d_model,), initializer="zeros")
         if self.norm is not None:
             self.norm.build(input_shape)
 
-    def call(self, inputs, mask=None):
+    def project(self, inputs):
+        """The per-head query, key and value of ``inputs``: ``x W + b`` for each of the three.
+
+        Args:
+            inputs: tensor ``(batch, n, d_model)``; the block must be built.
+
+        Returns:
+            A tuple ``(query, key, value)`` of tensors ``(batch, num_heads, n, key_dim)``.
+        """
         # (batch, n, d_model) x (d_model, heads, key_dim) -> (batch, heads, n, key_dim)
         query = tf.einsum("bnd,dhk->bhnk", inputs, self.query_kernel) + self.query_bias[:, None, :]
         key = tf.einsum("bnd,dhk->bhnk", inputs, self.key_kernel) + self.key_bias[:, None, :]
         value = tf.einsum("bnd,dhk->bhnk", inputs, self.value_kernel) + self.value_bias[:, None, :]
+        return query, key, value
+
+    def attention_weights(self, inputs, mask=None):
+        """The attention weights the block computes for ``inputs``, ``(batch, num_heads, n, n)``.
+
+        Args:
+            inputs: tensor ``(batch, n, d_model)``; the block must be built.
+            mask: optional boolean tensor ``(batch, n)``, True for the points to attend to.
+
+        Returns:
+            The softmax weights of every head, rows summing to 1 (0 for rows that see nothing).
+        """
+        query, key, value = self.project(inputs)
+        attention_mask = None if mask is None else tf.cast(mask, tf.bool)[:, None, None, :]
+        _, weights = scaled_dot_product_attention(
+            query, key, value, attention_mask, scaled=self.scaled, return_weights=True
+        )
+        return weights
+
+    def call(self, inputs, mask=None):
+        query, key, value = self.project(inputs)
         attention_mask = None
         if mask is not None:
             attention_mask = tf.cast(mask, tf.bool)[:, None, None, :]  # (batch, 1, 1, n): keys

@@ -18,7 +18,7 @@ import numbers
 import os
 import random
 import sys
-from collections.abc import Sequence
+from typing import Sequence
 
 __all__ = ["BOOK_COLORS", "BOOK_STYLE", "Table", "html_table", "setup"]
 

@@ -129,10 +129,17 @@ def seed_checked_power(x, a, b) -> tf.Tensor:
         x = tf.pow(x, b)
         tf.debugging.check_numerics(x, "After x^b transform")
 
-    How it fails: ``check_numerics`` checks *forward* values, and case A's forward values
-    are finite. At ``x = 0`` with ``b < 1`` both checks pass while the gradient with
-    respect to ``a`` is NaN (``0 * inf`` in the backward pass of ``tf.pow``), so the
-    check never fires. (It also raises rather than letting training skip a step.)
+    How it fails: ``tf.debugging.check_numerics`` returns its input, checked, and
+    TensorFlow registers a gradient for it that checks the gradient flowing back into
+    that returned tensor. The seed discards the returned tensor, so only the forward
+    values are checked, and case A's forward values are finite: at ``x = 0`` with
+    ``b < 1`` both checks pass while the gradient with respect to ``a`` is NaN
+    (``0 * inf`` in the backward pass of ``tf.pow``). Written
+    ``x = tf.debugging.check_numerics(x, ...)``, the first check would catch the
+    backward Inf, eagerly and in a ``tf.function``; under ``jit_compile=True`` XLA
+    compiles ``CheckNumerics`` as the identity and neither form checks anything
+    (TensorFlow issues #117319 and #118075). It also raises rather than letting
+    training skip a step. The chapter ``case_a/clipping_and_guards`` shows all three.
 
     The fix is :func:`companion.numerics.safe_pow`; to locate a NaN in the backward pass,
     :mod:`companion.diagnostics`.

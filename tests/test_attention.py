@@ -169,6 +169,55 @@ def test_attention_block_works_in_mixed_precision(policy):
     assert all(np.all(np.isfinite(g.numpy())) for g in grads)
 
 
+@pytest.mark.parametrize(
+    "initializer",
+    ["glorot_normal", keras.initializers.GlorotNormal(seed=7), keras.initializers.RandomUniform(seed=3)],
+    ids=["by-name", "seeded-glorot", "seeded-uniform"],
+)
+def test_attention_block_kernels_start_different(initializer):
+    # Keras 3 initializers are stateless: one instance called twice gives the same values.
+    # Shared by the four kernels, it would start query, key and value kernels identical.
+    keras.utils.set_random_seed(0)
+    block = AttentionBlock(num_heads=2, key_dim=4, kernel_initializer=initializer)
+    block.build((None, 5, 8))
+    kernels = [block.query_kernel, block.key_kernel, block.value_kernel]
+    for i in range(3):
+        for j in range(i + 1, 3):
+            assert not np.allclose(kernels[i].numpy(), kernels[j].numpy())
+    assert not np.allclose(block.output_kernel.numpy().reshape(-1), block.query_kernel.numpy().reshape(-1))
+    # ...each still drawn from the initializer's distribution: Glorot for a (8, 2, 4)
+    # kernel has fan_in = 2 * 8, fan_out = 4 * 8 (Keras' receptive field), sd sqrt(2 / 48)
+    if "glorot" in str(initializer).lower():
+        for kernel in kernels:
+            assert 0.15 < np.std(kernel.numpy()) < 0.26
+
+
+def test_attention_block_seeded_initializer_is_reproducible():
+    def kernels():
+        block = AttentionBlock(num_heads=2, key_dim=4, kernel_initializer=keras.initializers.GlorotNormal(seed=7))
+        block.build((None, 5, 8))
+        return [w.numpy() for w in (block.query_kernel, block.key_kernel, block.value_kernel, block.output_kernel)]
+
+    for first, second in zip(kernels(), kernels()):
+        np.testing.assert_array_equal(first, second)
+
+
+def test_attention_block_project_and_weights_match_the_call():
+    keras.utils.set_random_seed(0)
+    block = AttentionBlock(num_heads=2, key_dim=4, layer_norm=False)
+    x = _random([3, 5, 8], 11)
+    mask = tf.constant([[True] * 5, [True, True, False, False, False], [True] * 5])
+    output = block(x, mask=mask)
+    q, k, v = block.project(x)
+    weights = block.attention_weights(x, mask=mask)
+    heads = tf.matmul(weights, v)
+    expected = x + tf.einsum("bhnk,hkd->bnd", heads, block.output_kernel) + block.output_bias
+    np.testing.assert_allclose(output.numpy(), expected.numpy(), rtol=1e-5, atol=1e-6)
+    assert q.shape == (3, 2, 5, 4)
+    np.testing.assert_allclose(weights.numpy().sum(-1), 1.0, rtol=1e-6)
+    assert np.all(weights.numpy()[1, :, :, 2:] == 0)  # masked keys get weight 0
+
+
 def test_attention_block_rejects_bad_arguments():
     with pytest.raises(ValueError, match="num_heads must be >= 1"):
         AttentionBlock(num_heads=0)
