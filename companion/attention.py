@@ -14,10 +14,10 @@ import keras
 import tensorflow as tf
 
 from companion.numerics import _as_float_tensor
+from companion._checks import check_int, is_half
 
 __all__ = ["AttentionBlock", "scaled_dot_product_attention"]
 
-_HALF_DTYPES = (tf.float16, tf.bfloat16)
 
 
 def scaled_dot_product_attention(
@@ -104,7 +104,7 @@ def scaled_dot_product_attention(
             scale = tf.math.rsqrt(tf.cast(tf.shape(query)[-1], dtype))
         query = query * scale
     scores = tf.matmul(query, key, transpose_b=True)
-    softmax_dtype = tf.float32 if dtype in _HALF_DTYPES else dtype
+    softmax_dtype = tf.float32 if is_half(dtype) else dtype
     scores = tf.cast(scores, softmax_dtype)
     if mask is not None:
         scores = tf.where(mask, scores, tf.constant(softmax_dtype.min, softmax_dtype))
@@ -171,10 +171,7 @@ class AttentionBlock(keras.layers.Layer):
     ):
         super().__init__(**kwargs)
         for label, number in (("num_heads", num_heads), ("key_dim", key_dim)):
-            if isinstance(number, bool) or not isinstance(number, int):
-                raise TypeError(f"{label} must be an int, got {type(number).__name__} {number!r}")
-            if number < 1:
-                raise ValueError(f"{label} must be >= 1, got {number}")
+            check_int(label, number, 1)
         self.num_heads = num_heads
         self.key_dim = key_dim
         self.scaled = bool(scaled)

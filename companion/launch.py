@@ -58,6 +58,7 @@ import select
 import signal
 import socket
 import subprocess
+from companion._checks import check_int
 import sys
 import threading
 import time
@@ -657,10 +658,7 @@ def launch(
     for name, value in (("timeout", timeout), ("grace", grace)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
             raise ValueError(f"{name} must be a number >= 0{' or None' if name == 'timeout' else ''}, got {value!r}")
-    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int):
-        raise TypeError(f"max_restarts must be an int, got {type(max_restarts).__name__} {max_restarts!r}")
-    if max_restarts < 0:
-        raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+    check_int("max_restarts", max_restarts, 0)
     if isinstance(args, (str, bytes)):
         raise TypeError(f"args must be a sequence of strings, e.g. ['--epochs', '3'], got the string {args!r}")
     if not isolate and not allow_network_exposure:
@@ -780,11 +778,7 @@ def _run_group(command, cluster, base_env, restart, namespace, started, timeout,
 
 
 def _check_count(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
+    return check_int(name, value, 1)
 
 
 def _read_lines(stream, sink: list[str], index: int, echo: bool, lock: threading.Lock) -> None:

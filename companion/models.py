@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from companion.attention import AttentionBlock
 from companion.numerics import bounded, bounded_inverse, log_exp_pow, safe_pow, signed_pow
+from companion._checks import check_int, is_half
 
 __all__ = ["FIXES", "FIX_NAMES", "ParameterNet"]
 
@@ -25,7 +26,6 @@ FIXES: tuple[str, ...] = ("safe_power", "signed_power", "bounded_exponents", "sc
 #: is not on by default (the book measures its costs).
 FIX_NAMES: tuple[str, ...] = (*FIXES, "log_exp_power")
 
-_HALF_DTYPES = ("float16", "bfloat16")
 
 
 def _check_fixes(fixes) -> tuple[str, ...]:
@@ -59,11 +59,7 @@ def _check_range(label: str, value, needs_one: bool) -> tuple[float, float]:
 
 
 def _check_positive_int(label: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{label} must be an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{label} must be >= 1, got {value}")
-    return value
+    return check_int(label, value, 1)
 
 
 @keras.saving.register_keras_serializable(package="companion")
@@ -293,7 +289,7 @@ class ParameterNet(keras.Model):
         return raw_a, raw_b, raw_c, raw_d
 
     def _basis_dtype(self):
-        return tf.float32 if self.compute_dtype in _HALF_DTYPES else tf.as_dtype(self.compute_dtype)
+        return tf.float32 if is_half(self.compute_dtype) else tf.as_dtype(self.compute_dtype)
 
     def predict_parameters(self, inputs) -> dict[str, tf.Tensor]:
         """The parameters ``a, b, c, d`` the model predicts for each function in ``inputs``.

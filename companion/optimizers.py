@@ -29,7 +29,7 @@ class SkipNonFinite(keras.optimizers.Optimizer):
     What it cannot do inside ``fit``: the loss metric of a skipped step is NaN, so the
     epoch's mean loss shown by ``fit`` is NaN (and ``keras.callbacks.TerminateOnNaN``
     would stop training); batch-norm statistics updated by the forward pass are not
-    restored. :func:`train` has neither limitation.
+    restored. :func:`companion.training.train` has neither limitation.
 
     With ``mixed_float16``, ``compile`` wraps this optimizer in a
     :class:`keras.optimizers.LossScaleOptimizer`, which is the right order (overflowing

@@ -26,6 +26,7 @@ import dataclasses
 from typing import Callable, Mapping
 
 import numpy as np
+from companion._checks import check_int
 
 __all__ = ["FAMILIES", "TargetFamily", "dataset", "evaluate", "sample"]
 
@@ -121,11 +122,7 @@ def _family(family: str | TargetFamily) -> TargetFamily:
 
 
 def _check_count(label: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{label} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{label} must be >= {minimum}, got {value}")
-    return int(value)
+    return check_int(label, value, minimum)
 
 
 def evaluate(family: str | TargetFamily, x, **parameters) -> np.ndarray:
