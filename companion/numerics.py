@@ -153,37 +153,54 @@ def _power_float(x: tf.Tensor, p: tf.Tensor, *, signed: bool, limit: float) -> t
         value = tf.where(is_nan, nan, value)
 
         def grad(upstream: tf.Tensor):
-            # d/dx |x|^p = p |x|^(p-1) and d/dp |x|^p = |x|^p log|x|. Wherever |x|^p is a
-            # finite normal number both come from it (two roundings after pow's). Where
-            # it over- or underflows, the derivatives may not: there they are computed as
-            # exp(log|p| + (p-1) log|x|) and exp(p log|x| + log|log|x||), with a relative
-            # error of about |exponent| * eps, ~6e-6 in float32.
+            # The chain rule needs upstream * d/dx and upstream * d/dp, with
+            # d/dx |x|^p = p |x|^(p-1) and d/dp |x|^p = |x|^p log|x|. Each product is
+            # formed here, in one of two ways, so that no intermediate over- or underflows
+            # where the product itself is representable:
+            # - where the derivative is a finite normal number, from the value:
+            #   upstream * (p * (|x|^p / |x|)) and upstream * (|x|^p * log|x|), a few ulp;
+            # - elsewhere (|x|^p or the derivative over- or underflows, e.g. x^p = inf at
+            #   x = 1e20, p = 3, where upstream * 3e40 can still be finite), in log space:
+            #   exp(log|upstream| + log|p| + (p - 1) log|x|) and
+            #   exp(log|upstream| + p log|x| + log|log|x||), with signs. The sum of logs
+            #   is at most a few hundred and cannot overflow; its rounding gives a relative
+            #   error of about (|log upstream| + |exponent|) * eps, ~1e-5 in float32.
+            # A product beyond the finite range is clamped to +-limit (finite upstream).
             log_base = tf.math.log(base)
+            finite_upstream = tf.math.is_finite(upstream)
+            log_upstream = tf.math.log(tf.abs(upstream))
+            sign_upstream = tf.sign(upstream)
+
+            def times_upstream(plain, log_magnitude, sign):
+                usable = tf.math.is_finite(plain) & ((tf.abs(plain) >= tiny) | tf.equal(plain, 0))
+                via_log = sign_upstream * sign * tf.exp(log_upstream + log_magnitude)
+                product = tf.where(usable, upstream * plain, via_log)
+                clamped = tf.minimum(tf.maximum(product, -limit), limit)
+                return tf.where(finite_upstream, clamped, product)
+
             normal = tf.math.is_finite(powered) & (powered >= tiny)
-            from_value = p * (powered / base)
-            via_log = tf.sign(p) * tf.exp(tf.math.log(tf.abs(p)) + tf.math.multiply_no_nan(log_base, p - 1))
-            slope = tf.where(normal, from_value, via_log)
-            slope = tf.minimum(tf.maximum(slope, -limit), limit)
-            # The boundary |x| < tiny: 0 (see the docstrings), except signed_pow(x, 1) = x,
-            # whose derivative 1 is kept.
-            boundary = tf.zeros_like(slope)
+            zero = upstream * tf.zeros_like(powered)  # NaN where upstream is, as upstream * 0
+            # d/dx. The where keeps p * (inf / x) out of the product: that path is unused.
+            from_value = tf.where(normal, p * (powered / base), tf.fill(tf.shape(powered), nan))
+            log_slope = tf.math.log(tf.abs(p)) + tf.math.multiply_no_nan(log_base, p - 1)
+            dx = times_upstream(from_value, log_slope, tf.sign(p))
+            # The boundary |x| < tiny: derivative 0 (see the docstrings), except
+            # signed_pow(x, 1) = x, whose derivative 1 is kept.
+            boundary = zero
             if signed:
-                boundary = tf.where(tf.equal(p, 1), tf.ones_like(slope), boundary)
-            slope = tf.where(inside, slope, boundary)
+                boundary = tf.where(tf.equal(p, 1), upstream + zero, boundary)
+            dx = tf.where(inside, dx, boundary)
             # d/dp: 0 where the value is the constant 0.
-            dp_via_log = tf.sign(log_base) * tf.exp(p * log_base + tf.math.log(tf.abs(log_base)))
-            dp = tf.where(normal, powered * log_base, dp_via_log)
-            dp = tf.minimum(tf.maximum(dp, -limit), limit)
-            dp = tf.where(inside, dp, tf.zeros_like(dp))
+            from_value_p = tf.where(normal, powered * log_base, tf.fill(tf.shape(powered), nan))
+            log_dp = p * log_base + tf.math.log(tf.abs(log_base))
+            dp = times_upstream(from_value_p, log_dp, tf.sign(log_base))
+            dp = tf.where(inside, dp, zero)
             if signed:
                 dp = tf.where(x < 0, -dp, dp)
-            slope = tf.where(is_nan, nan, slope)
+            dx = tf.where(is_nan, nan, dx)
             dp = tf.where(is_nan, nan, dp)
             shape_x, shape_p = tf.shape(x), tf.shape(p)
-            return (
-                _sum_to_shape(upstream * slope, shape_x, shape_p),
-                _sum_to_shape(upstream * dp, shape_p, shape_x),
-            )
+            return _sum_to_shape(dx, shape_x, shape_p), _sum_to_shape(dp, shape_p, shape_x)
 
         return value, grad
 

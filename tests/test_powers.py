@@ -20,7 +20,7 @@ import mpmath
 import numpy as np
 import pytest
 import tensorflow as tf
-from hypothesis import assume, given, settings
+from hypothesis import assume, given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -30,8 +30,6 @@ from companion.numerics import bounded, bounded_inverse, log_exp_pow, safe_pow, 
 F32 = np.finfo(np.float32)
 P_MIN, P_MAX = 0.05, 4.0
 POWERS = [safe_pow, signed_pow]
-# Examples per property test: each runs whole arrays of up to 64 values through TensorFlow.
-EXAMPLES = 50
 
 finite32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
 normal_positive32 = st.floats(min_value=float(F32.tiny), max_value=float(F32.max), width=32)
@@ -90,7 +88,6 @@ def test_tf_pow_gradient_through_a_times_x_is_nan_at_zero_for_p_below_one():
 # --- safe_pow and signed_pow: values ------------------------------------------------------
 
 
-@settings(max_examples=EXAMPLES, deadline=None)
 @given(x=_arrays(normal_positive32), p=exponents, fn=st.sampled_from(POWERS))
 def test_power_value_is_as_accurate_as_tf_pow_for_positive_x(x, p, fn):
     p = np.full_like(x, p)
@@ -101,7 +98,6 @@ def test_power_value_is_as_accurate_as_tf_pow_for_positive_x(x, p, fn):
     np.testing.assert_array_equal(value, tf.pow(x, p).numpy())  # it *is* tf.pow there
 
 
-@settings(max_examples=EXAMPLES, deadline=None)
 @given(x=_arrays(finite32), p=exponents)
 def test_safe_pow_is_zero_with_zero_gradients_for_x_at_most_zero(x, p):
     p = np.full_like(x, p)
@@ -112,7 +108,6 @@ def test_safe_pow_is_zero_with_zero_gradients_for_x_at_most_zero(x, p):
     np.testing.assert_array_equal(dp[off], 0.0)
 
 
-@settings(max_examples=EXAMPLES, deadline=None)
 @given(x=_arrays(finite32), p=exponents)
 def test_signed_pow_is_odd_and_agrees_with_safe_pow_for_positive_x(x, p):
     p = np.full_like(x, p)
@@ -131,7 +126,6 @@ def test_signed_pow_is_odd_and_agrees_with_safe_pow_for_positive_x(x, p):
 # --- safe_pow and signed_pow: gradients ---------------------------------------------------
 
 
-@settings(max_examples=EXAMPLES, deadline=None)
 @given(x=_arrays(finite32), p=_arrays(exponents, size=st.just(1)), fn=st.sampled_from(POWERS))
 def test_power_gradients_are_finite_for_every_finite_x(x, p, fn):
     # 0, -0, subnormals, negative numbers, and huge x where x^p overflows to inf.
@@ -141,7 +135,6 @@ def test_power_gradients_are_finite_for_every_finite_x(x, p, fn):
     assert np.all(np.isfinite(dp)), (x[~np.isfinite(dp)], p[0])
 
 
-@settings(max_examples=EXAMPLES, deadline=None)
 @given(x=_arrays(finite32), p=exponents, fn=st.sampled_from(POWERS))
 def test_power_gradients_match_the_float64_derivatives_where_representable(x, p, fn):
     p = np.full_like(x, p)
@@ -172,7 +165,6 @@ def test_power_gradient_is_finite_at_zero_through_a_times_x(fn, p):
     np.testing.assert_allclose(dp.numpy(), np.sum((1.5 * xs) ** p * np.log(1.5 * xs)), rtol=1e-5, atol=1e-6)
 
 
-@settings(max_examples=EXAMPLES, deadline=None)
 @given(
     x=_arrays(finite32),
     a=st.floats(min_value=1 / 16, max_value=16, width=32),
@@ -292,7 +284,6 @@ def test_power_rejects_wrong_dtypes(fn):
 # --- log_exp_pow: the seed's formula and its costs --------------------------------------
 
 
-@settings(max_examples=EXAMPLES, deadline=None)
 @given(x=_arrays(finite32), p=exponents)
 def test_log_exp_pow_is_exactly_the_seeds_formula_with_finite_gradients(x, p):
     p = np.full_like(x, p)
@@ -338,7 +329,6 @@ def test_log_exp_pow_rejects_bad_eps():
 intervals = st.tuples(st.floats(-10, 10), st.floats(1e-3, 10)).map(lambda t: (t[0], t[0] + t[1]))
 
 
-@settings(max_examples=EXAMPLES, deadline=None)
 @given(raw=_arrays(st.floats(width=32, allow_nan=False)), interval=intervals)
 def test_bounded_stays_in_the_interval_with_finite_gradients(raw, interval):
     low, high = interval
@@ -355,7 +345,6 @@ def test_bounded_stays_in_the_interval_with_finite_gradients(raw, interval):
     assert np.all(np.isfinite(gradient)) and np.all(gradient >= 0)
 
 
-@settings(max_examples=EXAMPLES, deadline=None)
 @given(interval=intervals, t=st.floats(1e-4, 1 - 1e-4))
 def test_bounded_inverse_inverts_bounded(interval, t):
     low, high = interval
