@@ -97,7 +97,8 @@ def write_results(path: str, benchmark: str, ratios: list[dict]) -> None:
     """Write ``ratios`` (dicts with at least ``label``, ``ratio`` and ``target``) as JSON.
 
     Each ratio is "lower is better" and ``met`` is added as ``ratio <= target``. The file
-    also records where and how it was measured (``cpu``, ``onednn``, ``stack``, and, for
+    also records where and how it was measured (``cpu``, ``onednn``, ``stack``, the
+    ``load_average`` over 1, 5 and 15 minutes when it was written, and, for
     pages written for the first format, ``machine``, ``tensorflow`` and ``keras``), so a
     page showing it can say so. ``path`` "auto" means `default_path`.
     """
@@ -123,6 +124,8 @@ def write_results(path: str, benchmark: str, ratios: list[dict]) -> None:
         "cpu": cpu,
         "onednn": onednn,
         "stack": versions,
+        # Other processes compete for the cores: ratios measured under load are less sure.
+        "load_average": [round(value, 2) for value in os.getloadavg()] if hasattr(os, "getloadavg") else None,
         "tensorflow": versions["tensorflow"],
         "keras": versions["keras"],
         "ratios": rows,
