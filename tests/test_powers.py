@@ -229,17 +229,18 @@ def test_power_gradient_through_a_times_x_near_the_top_of_float32(fn):
 @given(
     x=_arrays(finite32),
     p=exponents,
-    log2_scale=st.integers(-126, 127),
+    log2_scale=st.integers(-125, 127),  # upstream gradients from 2^-126 to 2^127: normal
     fn=st.sampled_from(POWERS),
+    data=st.data(),
 )
-def test_power_gradients_times_any_upstream_gradient_are_accurate_where_representable(x, p, log2_scale, fn):
+def test_power_gradients_times_any_upstream_gradient_are_accurate_where_representable(x, p, log2_scale, fn, data):
     # What the custom gradient returns is upstream * d/dx and upstream * d/dp. Where the
     # derivative alone over- or underflows (p |x|^(p-1) = 3e40 at x = 1e20, p = 3), the
     # product with a small (or large) upstream gradient can still be representable, and
     # then it must be accurate; beyond the float range it is clamped to +-max.
-    rng = np.random.default_rng(abs(hash((x.tobytes(), float(p), log2_scale))) % 2**32)
-    upstream = (rng.uniform(0.5, 1.0, x.shape) * rng.choice([-1.0, 1.0], x.shape) * 2.0**log2_scale)
-    upstream = upstream.astype(np.float32)
+    mantissas = data.draw(_arrays(st.floats(0.5, 1.0, width=32), st.just(x.size)))
+    signs = np.where(data.draw(hnp.arrays(np.bool_, x.size)), -1.0, 1.0)
+    upstream = (signs * mantissas * 2.0**log2_scale).astype(np.float32)
     p = np.full_like(x, p)
     x_t, p_t = tf.constant(x), tf.constant(p)
     with tf.GradientTape(persistent=True) as tape:
@@ -257,7 +258,9 @@ def test_power_gradients_times_any_upstream_gradient_are_accurate_where_represen
         assert np.all(_relative_error(actual[ok], expected[ok]) <= 4e-5), (x[ok], actual[ok], expected[ok])
         too_large = np.abs(expected) > F32.max
         np.testing.assert_array_equal(actual[too_large], np.sign(expected[too_large]) * F32.max)
-        too_small = np.abs(expected) < F32.tiny  # flushed to 0, or a subnormal
+        # Flushed to 0, or a subnormal. (At |x| < tiny the conventions hold instead, e.g.
+        # signed_pow's derivative 1 at p = 1: test_gradient_convention_at_zero.)
+        too_small = (np.abs(expected) < F32.tiny) & (np.abs(x) >= F32.tiny)
         assert np.all(np.abs(actual[too_small]) <= F32.tiny)
 
 
