@@ -140,8 +140,8 @@ def test_power_gradients_match_the_float64_derivatives_where_representable(x, p,
     p = np.full_like(x, p)
     _, dx, dp = _value_and_gradients(fn, x, p)
     _, expected_dx, expected_dp = _reference(x, p, signed=fn is signed_pow)
-    # The exponent p - 1 is rounded in float32 where x^p over- or underflows: a relative
-    # error of up to |log x| * ulp(p - 1) ~ 5e-6.
+    # From the value: tf.pow's error (<= 2e-6) and two roundings; where x^p over- or
+    # underflows, from exp(log p + (p - 1) log x) in float64, rounded once.
     for actual, expected in [(dx, expected_dx), (dp, expected_dp)]:
         ok = _representable(expected)
         assert np.all(_relative_error(actual[ok], expected[ok]) <= 1e-5)
@@ -253,9 +253,9 @@ def test_power_gradients_times_any_upstream_gradient_are_accurate_where_represen
         expected = upstream.astype(np.float64) * derivative  # float64: no overflow up to 1e308
         assert np.all(np.isfinite(actual))
         ok = _representable(expected)
-        # The log-space path: rounding of log|upstream| + (p - 1) log|x|, terms up to
-        # ~350 in magnitude, each within an ulp: a relative error below ~4e-5.
-        assert np.all(_relative_error(actual[ok], expected[ok]) <= 4e-5), (x[ok], actual[ok], expected[ok])
+        # From the value: tf.pow's error (<= 2e-6) and a few roundings; in log space one
+        # rounding (the path runs in float64).
+        assert np.all(_relative_error(actual[ok], expected[ok]) <= 1e-5), (x[ok], actual[ok], expected[ok])
         too_large = np.abs(expected) > F32.max
         np.testing.assert_array_equal(actual[too_large], np.sign(expected[too_large]) * F32.max)
         # Flushed to 0, or a subnormal. (At |x| < tiny the conventions hold instead, e.g.
