@@ -5,6 +5,21 @@ machine-dependent lines there (CPU features, CUDA probing, XLA compilation), so 
 comparison leaves stderr out, in both the committed and the fresh outputs; everything
 else (stdout, results, error names) is compared strictly. The committed notebooks carry
 no stderr either (scripts/refresh_notebooks.py drops it).
+
+The property tests (hypothesis) run under one of two profiles registered here:
+
+- ``deterministic``, the default: the same 50 examples per test on every run and every
+  machine (``derandomize=True``), so a red test suite is red for a reason in the code,
+  not for a new random draw;
+- ``thorough``: 500 fresh random examples per test (10 times as many; about 20 minutes
+  on 2 cores), to search for new failures before a release or after a change to
+  ``companion.numerics``. Select it with hypothesis' own pytest option::
+
+      python -m pytest tests --hypothesis-profile=thorough
+
+  (or ``HYPOTHESIS_PROFILE=thorough``). A failure prints the example and a
+  ``@reproduce_failure`` blob to replay it; add the example to the test as an
+  ``@example`` so the deterministic run keeps checking it.
 """
 
 from __future__ import annotations
@@ -19,6 +34,21 @@ os.environ.setdefault("PYTHONHASHSEED", "0")
 
 ROOT = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "scripts"))
+
+try:
+    from hypothesis import settings as _hypothesis_settings
+except ImportError:  # hypothesis not installed: the property tests are not collected
+    _hypothesis_settings = None
+
+if _hypothesis_settings is not None:
+    # deadline=None: TensorFlow's first call of a function traces it, which can take far
+    # longer than hypothesis' default deadline of 200 ms per example.
+    _hypothesis_settings.register_profile(
+        "deterministic", max_examples=50, derandomize=True, database=None, deadline=None, print_blob=True
+    )
+    _hypothesis_settings.register_profile("thorough", max_examples=500, deadline=None, print_blob=True)
+    # Loaded here, before hypothesis' pytest plugin reads --hypothesis-profile, which wins.
+    _hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
 
 try:
     import nbval.plugin as _nbval_plugin

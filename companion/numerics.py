@@ -154,37 +154,60 @@ def _power_float(x: tf.Tensor, p: tf.Tensor, *, signed: bool, limit: float) -> t
         value = tf.where(is_nan, nan, value)
 
         def grad(upstream: tf.Tensor):
-            # d/dx |x|^p = p |x|^(p-1) and d/dp |x|^p = |x|^p log|x|. Wherever |x|^p is a
-            # finite normal number both come from it (two roundings after pow's). Where
-            # it over- or underflows, the derivatives may not: there they are computed as
-            # exp(log|p| + (p-1) log|x|) and exp(p log|x| + log|log|x||), with a relative
-            # error of about |exponent| * eps, ~6e-6 in float32.
+            # The chain rule needs upstream * d/dx and upstream * d/dp, with
+            # d/dx |x|^p = p |x|^(p-1) and d/dp |x|^p = |x|^p log|x|. Each product is
+            # formed here, in one of two ways, so that no intermediate over- or underflows
+            # where the product itself is representable:
+            # - where the derivative is a finite normal number, from the value:
+            #   upstream * (p * (|x|^p / |x|)) and upstream * (|x|^p * log|x|), a few ulp;
+            # - elsewhere (|x|^p or the derivative over- or underflows, e.g. x^p = inf at
+            #   x = 1e20, p = 3, where upstream * 3e40 can still be finite), in log space:
+            #   exp(log|upstream| + log|p| + (p - 1) log|x|) and
+            #   exp(log|upstream| + p log|x| + log|log|x||), with signs. The sum of logs
+            #   is at most a few hundred and cannot overflow. Its rounding error, about
+            #   (|log upstream| + |exponent|) * eps relative, would be ~1e-5 in float32
+            #   (exp turns an absolute error of the exponent into a relative one), so
+            #   float32 does this path in float64: one rounding, at the cast back.
+            # A product beyond the finite range is clamped to +-limit (finite upstream).
             log_base = tf.math.log(base)
+            finite_upstream = tf.math.is_finite(upstream)
+            wide = tf.float64
+            log_base_w = tf.math.log(tf.cast(base, wide))
+            p_w = tf.cast(p, wide)
+            log_upstream_w = tf.math.log(tf.abs(tf.cast(upstream, wide)))
+            sign_upstream = tf.sign(upstream)
+
+            def times_upstream(plain, log_magnitude_w, sign):
+                usable = tf.math.is_finite(plain) & ((tf.abs(plain) >= tiny) | tf.equal(plain, 0))
+                magnitude = tf.cast(tf.exp(log_upstream_w + log_magnitude_w), dtype)  # inf if too large
+                via_log = sign_upstream * sign * magnitude
+                product = tf.where(usable, upstream * plain, via_log)
+                clamped = tf.minimum(tf.maximum(product, -limit), limit)
+                return tf.where(finite_upstream, clamped, product)
+
             normal = tf.math.is_finite(powered) & (powered >= tiny)
-            from_value = p * (powered / base)
-            via_log = tf.sign(p) * tf.exp(tf.math.log(tf.abs(p)) + tf.math.multiply_no_nan(log_base, p - 1))
-            slope = tf.where(normal, from_value, via_log)
-            slope = tf.minimum(tf.maximum(slope, -limit), limit)
-            # The boundary |x| < tiny: 0 (see the docstrings), except signed_pow(x, 1) = x,
-            # whose derivative 1 is kept.
-            boundary = tf.zeros_like(slope)
+            zero = upstream * tf.zeros_like(powered)  # NaN where upstream is, as upstream * 0
+            # d/dx. The where keeps p * (inf / x) out of the product: that path is unused.
+            from_value = tf.where(normal, p * (powered / base), tf.fill(tf.shape(powered), nan))
+            log_slope = tf.math.log(tf.abs(p_w)) + tf.math.multiply_no_nan(log_base_w, p_w - 1)
+            dx = times_upstream(from_value, log_slope, tf.sign(p))
+            # The boundary |x| < tiny: derivative 0 (see the docstrings), except
+            # signed_pow(x, 1) = x, whose derivative 1 is kept.
+            boundary = zero
             if signed:
-                boundary = tf.where(tf.equal(p, 1), tf.ones_like(slope), boundary)
-            slope = tf.where(inside, slope, boundary)
+                boundary = tf.where(tf.equal(p, 1), upstream + zero, boundary)
+            dx = tf.where(inside, dx, boundary)
             # d/dp: 0 where the value is the constant 0.
-            dp_via_log = tf.sign(log_base) * tf.exp(p * log_base + tf.math.log(tf.abs(log_base)))
-            dp = tf.where(normal, powered * log_base, dp_via_log)
-            dp = tf.minimum(tf.maximum(dp, -limit), limit)
-            dp = tf.where(inside, dp, tf.zeros_like(dp))
+            from_value_p = tf.where(normal, powered * log_base, tf.fill(tf.shape(powered), nan))
+            log_dp = p_w * log_base_w + tf.math.log(tf.abs(log_base_w))
+            dp = times_upstream(from_value_p, log_dp, tf.sign(log_base))
+            dp = tf.where(inside, dp, zero)
             if signed:
                 dp = tf.where(x < 0, -dp, dp)
-            slope = tf.where(is_nan, nan, slope)
+            dx = tf.where(is_nan, nan, dx)
             dp = tf.where(is_nan, nan, dp)
             shape_x, shape_p = tf.shape(x), tf.shape(p)
-            return (
-                _sum_to_shape(upstream * slope, shape_x, shape_p),
-                _sum_to_shape(upstream * dp, shape_p, shape_x),
-            )
+            return _sum_to_shape(dx, shape_x, shape_p), _sum_to_shape(dp, shape_p, shape_x)
 
         return value, grad
 
@@ -247,23 +270,37 @@ def safe_pow(x, p, name: str | None = None) -> tf.Tensor:
     **Thresholds from the dtype.** "``x > 0``" is ``x >= finfo.tiny``, the smallest
     normal number of the dtype the power is computed in (float32 for float16 and
     bfloat16 inputs): TensorFlow's CPU kernels flush subnormal numbers to zero, and this
-    makes a subnormal ``x`` count as 0 on every device. Both derivatives are clamped to
-    ``[-finfo.max, finfo.max]``. For ``0 < p <= 1`` and normal ``x`` the derivative
-    never reaches the bound (it is at most ``1/tiny``); it is reached for ``p > 1`` and
-    ``x > max^(1/(p-1))`` (``x > 1.8e19`` for ``p = 2`` in float32), where the value
-    ``x^p`` has already overflowed to inf, and ``d/dp`` where ``x^p log x`` overflows.
-    So the derivatives are finite for every finite ``x``; the product with the upstream
-    gradient can still overflow where the true gradient is not representable (e.g.
-    ``d/da (a x)^p = p (a x)^p / a`` once ``(a x)^p`` is near the largest float).
+    makes a subnormal ``x`` count as 0 on every device.
+
+    **The gradient's products.** What the custom gradient returns is the upstream
+    gradient ``g`` times a derivative, ``g p x^(p-1)`` and ``g x^p log(x)``, and that
+    product is what must not overflow where it is representable. Neither derivative
+    formula is safe alone: ``p * (x^p / x)`` overflows with ``x^p`` (``x > 1.8e19`` for
+    ``p = 2`` in float32) although ``p x^(p-1)`` is still finite, and
+    ``p * exp((p - 1) log x)`` is exact to only ``|(p - 1) log x| * eps``. And a
+    derivative beyond the float range (``3 x^2 = 3e40`` at ``x = 1e20``) can meet a small
+    ``g`` (``1e-10``: product ``3e30``). So each product is formed from the value,
+    ``g * (p * (x^p / x))`` and ``g * (x^p * log x)``, where the derivative is a finite
+    normal number, and otherwise in log space,
+    ``exp(log|g| + log p + (p - 1) log x)`` and ``exp(log|g| + p log x + log|log x|)``
+    (with signs), whose exponent cannot overflow. A product beyond the float range is
+    clamped to ``[-finfo.max, finfo.max]`` (for a finite ``g``; an infinite or NaN ``g``
+    passes through), so the gradients are finite for every finite ``x`` and ``g``. What
+    happens after the custom gradient is TensorFlow's: in ``d/da (a x)^p`` the product
+    with ``x`` (``p (a x)^(p-1) * x``) and the sum over the elements of ``x`` overflow
+    where their true value does (five terms of 6.8e37 sum to inf in float32), and where
+    ``p (a x)^(p-1)`` itself is beyond the float range but ``x < 1`` brings the product
+    back into it, the clamped derivative makes that product too small (no value the
+    power could return would be right there).
 
     **Accuracy.** The value is `tf.pow`'s own for ``x >= tiny`` (in float32 within
     2e-6 relative error of the exact value wherever that is a normal number). The
-    derivatives are ``p * (x^p / x)`` and ``x^p * log(x)`` where ``x^p`` is a finite
-    normal number (a few ulp), else ``exp(log(p) + (p - 1) log(x))`` and
-    ``exp(p log(x) + log(log(x)))`` (with signs), which stay accurate where ``x^p``
-    over- or underflows but the derivative does not (relative error about
-    ``|exponent| * eps``, below 1e-5 in float32). float16 and bfloat16 inputs are
-    computed in float32 and cast back.
+    gradients are within a few ulp where they are formed from the value. In log space
+    the rounding of the exponent, about ``(|log g| + |(p - 1) log x|) * eps`` relative
+    (1e-5 in float32), is avoided by doing that path in float64, rounded once to the
+    dtype (tested within 1e-5 against a float64 reference for upstream gradients from
+    2^-126 to 2^127; the float64 path of float64 inputs keeps about 2e-14). float16 and
+    bfloat16 inputs are computed in float32 and cast back.
 
     Args:
         x: floating-point tensor (float16, bfloat16, float32 or float64).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tensorflow as tf
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -40,7 +40,6 @@ def test_double_where_keeps_dtype_and_gradient_is_zero_outside_condition(dtype):
     np.testing.assert_allclose(tf.cast(grad, tf.float64).numpy(), [0.0, 0.0, 1.0, 1.0 / 6.0], rtol=1e-2)
 
 
-@settings(max_examples=200, deadline=None)
 @given(
     hnp.arrays(
         np.float32,

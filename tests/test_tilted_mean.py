@@ -18,7 +18,7 @@ import mpmath
 import numpy as np
 import pytest
 import tensorflow as tf
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -292,7 +292,6 @@ def _spacing(values: np.ndarray, dtype) -> np.ndarray:
     return np.spacing(np.maximum(np.abs(values), np.finfo(dtype).tiny).astype(dtype)).astype(np.float64)
 
 
-@settings(max_examples=60, deadline=None)
 @given(data=st.data(), dtype=st.sampled_from([np.float32, np.float64]))
 def test_tilted_mean_is_finite_bounded_and_symmetric(data, dtype):
     values = data.draw(_finite_arrays(dtype))
@@ -308,7 +307,6 @@ def test_tilted_mean_is_finite_bounded_and_symmetric(data, dtype):
     np.testing.assert_array_equal(g_neg, g)
 
 
-@settings(max_examples=60, deadline=None)
 @given(data=st.data(), dtype=st.sampled_from([np.float32, np.float64]))
 def test_tilted_mean_is_non_decreasing(data, dtype):
     values = np.sort(data.draw(_finite_arrays(dtype)))
@@ -320,7 +318,6 @@ def test_tilted_mean_is_non_decreasing(data, dtype):
     assert np.all(step_down <= 2 * VALUE_ULPS * _spacing(y[1:], dtype))
 
 
-@settings(max_examples=40, deadline=None)
 @given(st.floats(min_value=1.0, max_value=3e38, allow_nan=False))
 def test_tilted_mean_approaches_its_asymptotes(t):
     # f(t) = 1 - 1/t + 1/expm1(t) and f(-t) = 1/t - 1/expm1(t): within 1e-6 relative for t >= 20.
