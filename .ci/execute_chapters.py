@@ -1,0 +1,99 @@
+"""Execute every chapter from a folder outside the repository, as a Colab reader would.
+
+    python -I .ci/execute_chapters.py BOOK_DIR [NOTEBOOK ...]
+
+Run with the Python of the environment under test (``-I``: nothing of the current folder on
+``sys.path``). Each notebook under BOOK_DIR (or each one given) is copied into a fresh
+temporary folder and executed there with nbclient, in a kernel of this Python; only the
+installed ``companion`` is importable, no file of the repository is at hand.
+
+- Cells tagged ``nbval-skip`` (the install cell) are left out.
+- A cell tagged ``raises-exception`` must raise; any other cell must not.
+- Outputs are not compared (that is done on the locked stack, by nbval).
+
+A last cell, added to the copy, checks that the kernel ran this Python and imported
+``companion`` from outside the repository. Exits non-zero if any chapter fails; prints
+each chapter's time.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+import tempfile
+import time
+
+import nbformat
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+
+KERNEL_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONHASHSEED": "0"}
+CHECK = """\
+import pathlib, sys
+import companion
+assert sys.executable == {executable!r}, sys.executable
+assert {repository!r} not in map(str, pathlib.Path(companion.__file__).resolve().parents), companion.__file__
+"""
+
+
+def execute(source: pathlib.Path, folder: pathlib.Path, repository: pathlib.Path, timeout: int) -> list[str]:
+    """Execute a copy of ``source`` in ``folder``; return the problems found (empty: it passed)."""
+    nb = nbformat.read(source, as_version=4)
+    nb.cells = [cell for cell in nb.cells if "nbval-skip" not in cell.metadata.get("tags", [])]
+    check = CHECK.format(executable=sys.executable, repository=str(repository))
+    nb.cells.append(nbformat.v4.new_code_cell(check))
+    copy = folder / source.name
+    nbformat.write(nb, copy)
+    client = NotebookClient(
+        nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(folder)}}
+    )
+    try:
+        client.execute()
+    except CellExecutionError as error:
+        return [str(error)[-3000:]]
+    problems = []
+    for index, cell in enumerate(nb.cells):
+        if cell.cell_type != "code" or "raises-exception" not in cell.metadata.get("tags", []):
+            continue
+        if not any(output.output_type == "error" for output in cell.outputs):
+            problems.append(f"cell {index} is tagged raises-exception but raised nothing:\n{cell.source}")
+    return problems
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print(__doc__, file=sys.stderr)
+        return 2
+    book = pathlib.Path(argv[0]).resolve()
+    repository = book.parent
+    notebooks = [pathlib.Path(p).resolve() for p in argv[1:]] or sorted(book.glob("**/*.ipynb"))
+    notebooks = [p for p in notebooks if "_build" not in p.parts and ".ipynb_checkpoints" not in p.parts]
+    os.environ.update(KERNEL_ENV)
+    os.environ.pop("PYTHONPATH", None)
+    failed = []
+    total = time.perf_counter()
+    for notebook in notebooks:
+        name = notebook.relative_to(book)
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="chapter-") as tmp:
+            folder = pathlib.Path(tmp) / name.parent
+            folder.mkdir(parents=True)
+            os.chdir(folder)  # the kernel starts here; nothing of the repository around it
+            problems = execute(notebook, folder, repository, timeout=300)
+            os.chdir(tempfile.gettempdir())
+        status = "ok" if not problems else "FAILED"
+        print(f"  {name}: {status} in {time.perf_counter() - start:.0f} s", flush=True)
+        if problems:
+            failed.append(name)
+            for problem in problems:
+                print("    " + problem.replace("\n", "\n    "), flush=True)
+    print(f"  {len(notebooks) - len(failed)} of {len(notebooks)} chapters ran in "
+          f"{time.perf_counter() - total:.0f} s")
+    if failed:
+        print("  failed: " + ", ".join(map(str, failed)))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
