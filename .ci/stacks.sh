@@ -7,8 +7,9 @@
 # fresh virtual environment:
 #   1. install the package from a wheel built from this checkout (never the checkout itself)
 #      with the stack's pins and the test tools;
-#   2. the unit tests: tests/ without nbval and without the tests of the repository and the
-#      built book (see UNIT_TESTS_SKIP below), importing the installed package;
+#   2. the unit tests: tests/ without nbval, without the tests of the repository and the
+#      built book (UNIT_TESTS_SKIP below) and without the slow multi-process tests,
+#      importing the installed package;
 #   3. every chapter (book/**/*.ipynb), copied to a temporary folder outside the repository
 #      and executed there, as in Colab: no output comparison (that stays on the lock), but
 #      no cell may raise unless it is tagged raises-exception.
@@ -23,8 +24,12 @@ STACKS_DIR=${STACKS_DIR:-$ROOT/.venv-stacks}
 # workflows, packaging from git, the nbval harness, the browser); they run on the lock only.
 UNIT_TESTS_SKIP=(
     tests/test_book.py tests/test_browser.py tests/test_built_book.py tests/test_changelog.py
-    tests/test_nbval_harness.py tests/test_packaging.py tests/test_readme.py tests/test_workflows.py
+    tests/test_nbval_harness.py tests/test_packaging.py tests/test_readme.py tests/test_stacks.py
+    tests/test_workflows.py
 )
+# The tests marked slow (fresh processes: MirroredStrategy, multi-worker jobs) run on the lock
+# only, to keep CI within its time; UNIT_TESTS_MARK="" runs them here too.
+UNIT_TESTS_MARK=${UNIT_TESTS_MARK-not slow}
 
 stage_start=0
 stage() { stage_start=$(date +%s); echo "== $1"; }
@@ -42,13 +47,21 @@ find_python() {  # find_python NAME VERSION
     echo "$found"
 }
 
+# pip, without the lines about index locations this machine's pip configuration lists but
+# does not have.
+pip_in() {  # pip_in PYTHON ARGS...
+    local python=$1; shift
+    "$python" -m pip "$@" 2>&1 | { grep -v "^WARNING: Location '.*' is ignored" || true; }
+    return "${PIPESTATUS[0]}"
+}
+
 stacks=("$@")
 [ ${#stacks[@]} -gt 0 ] || stacks=(colab oldest)
 
 wheels=$(mktemp -d)
 trap 'rm -rf "$wheels"' EXIT
 stage "build the wheel"
-python3 -m pip wheel --quiet --no-deps --wheel-dir "$wheels" "$ROOT"
+pip_in python3 wheel --quiet --no-deps --wheel-dir "$wheels" "$ROOT"
 wheel=$(ls "$wheels"/*.whl)
 stage_done "build the wheel ($(basename "$wheel"))"
 
@@ -62,12 +75,12 @@ for name in "${stacks[@]}"; do
     stage "$name: install (Python $version: $python)"
     rm -rf "$env"
     "$python" -m venv "$env"
-    "$env/bin/python" -m pip install --quiet --upgrade pip
+    pip_in "$env/bin/python" install --quiet --upgrade pip
     # The test tools are not part of the stack and float; the stack's pins win.
-    "$env/bin/python" -m pip install --quiet -r "$pins" "$wheel" \
+    pip_in "$env/bin/python" install --quiet -r "$pins" "$wheel" \
         pytest hypothesis mpmath ipykernel nbclient nbformat
-    "$env/bin/python" -m pip check
-    "$env/bin/python" -c 'import sys, numpy, tensorflow, keras; print("  Python", sys.version.split()[0],
+    pip_in "$env/bin/python" check
+    TF_CPP_MIN_LOG_LEVEL=3 "$env/bin/python" -c 'import sys, numpy, tensorflow, keras; print("  Python", sys.version.split()[0],
           "TensorFlow", tensorflow.__version__, "Keras", keras.__version__, "NumPy", numpy.__version__)'
     stage_done "$name: install"
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.resources
 import json
+import os
 import pathlib
 from typing import Any, Mapping
 
@@ -119,7 +120,7 @@ def results_directory() -> pathlib.Path:
 
 
 def load_results(
-    benchmark: str | None = None, directory: str | pathlib.Path | None = None
+    benchmark: str | None = None, directory: str | os.PathLike | None = None
 ) -> list[BenchmarkResult]:
     """Read the benchmark results: every file, or every file of one benchmark.
 
