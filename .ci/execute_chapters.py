@@ -12,7 +12,7 @@ installed ``companion`` is importable, no file of the repository is at hand.
 - Outputs are not compared (that is done on the locked stack, by nbval).
 
 A last cell, added to the copy, checks that the kernel ran this Python and imported
-``companion`` from outside the repository. Exits non-zero if any chapter fails; prints
+``companion`` from its site-packages (the installed wheel, not a checkout). Exits non-zero if any chapter fails; prints
 each chapter's time.
 """
 
@@ -30,18 +30,20 @@ from nbclient.exceptions import CellExecutionError
 
 KERNEL_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONHASHSEED": "0"}
 CHECK = """\
-import pathlib, sys
+import pathlib, sys, sysconfig
 import companion
 assert sys.executable == {executable!r}, sys.executable
-assert {repository!r} not in map(str, pathlib.Path(companion.__file__).resolve().parents), companion.__file__
+assert pathlib.Path(sysconfig.get_paths()["purelib"]).resolve() in pathlib.Path(companion.__file__).resolve().parents, (
+    f"companion imported from {{companion.__file__}}, not from the installed package"
+)
 """
 
 
-def execute(source: pathlib.Path, folder: pathlib.Path, repository: pathlib.Path, timeout: int) -> list[str]:
+def execute(source: pathlib.Path, folder: pathlib.Path, timeout: int) -> list[str]:
     """Execute a copy of ``source`` in ``folder``; return the problems found (empty: it passed)."""
     nb = nbformat.read(source, as_version=4)
     nb.cells = [cell for cell in nb.cells if "nbval-skip" not in cell.metadata.get("tags", [])]
-    check = CHECK.format(executable=sys.executable, repository=str(repository))
+    check = CHECK.format(executable=sys.executable)
     nb.cells.append(nbformat.v4.new_code_cell(check))
     copy = folder / source.name
     nbformat.write(nb, copy)
@@ -66,7 +68,6 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     book = pathlib.Path(argv[0]).resolve()
-    repository = book.parent
     notebooks = [pathlib.Path(p).resolve() for p in argv[1:]] or sorted(book.glob("**/*.ipynb"))
     notebooks = [p for p in notebooks if "_build" not in p.parts and ".ipynb_checkpoints" not in p.parts]
     os.environ.update(KERNEL_ENV)
@@ -80,7 +81,7 @@ def main(argv: list[str]) -> int:
             folder = pathlib.Path(tmp) / name.parent
             folder.mkdir(parents=True)
             os.chdir(folder)  # the kernel starts here; nothing of the repository around it
-            problems = execute(notebook, folder, repository, timeout=300)
+            problems = execute(notebook, folder, timeout=300)
             os.chdir(tempfile.gettempdir())
         status = "ok" if not problems else "FAILED"
         print(f"  {name}: {status} in {time.perf_counter() - start:.0f} s", flush=True)
