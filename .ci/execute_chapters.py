@@ -23,10 +23,11 @@ import pathlib
 import sys
 import tempfile
 import time
+from typing import IO
 
 import nbformat
 from nbclient import NotebookClient
-from nbclient.exceptions import CellExecutionError
+from nbclient.exceptions import CellExecutionError, DeadKernelError
 
 KERNEL_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONHASHSEED": "0"}
 CHECK = """\
@@ -39,8 +40,11 @@ assert pathlib.Path(sysconfig.get_paths()["purelib"]).resolve() in pathlib.Path(
 """
 
 
-def execute(source: pathlib.Path, folder: pathlib.Path, timeout: int) -> list[str]:
-    """Execute a copy of ``source`` in ``folder``; return the problems found (empty: it passed)."""
+def execute(source: pathlib.Path, folder: pathlib.Path, timeout: int, stderr: IO[bytes]) -> list[str]:
+    """Execute a copy of ``source`` in ``folder``; return the problems found (empty: it passed).
+
+    The kernel's own stderr (TensorFlow's C++ logging) goes to ``stderr``.
+    """
     nb = nbformat.read(source, as_version=4)
     nb.cells = [cell for cell in nb.cells if "nbval-skip" not in cell.metadata.get("tags", [])]
     check = CHECK.format(executable=sys.executable)
@@ -51,8 +55,8 @@ def execute(source: pathlib.Path, folder: pathlib.Path, timeout: int) -> list[st
         nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(folder)}}
     )
     try:
-        client.execute()
-    except CellExecutionError as error:
+        client.execute(stderr=stderr)
+    except (CellExecutionError, DeadKernelError) as error:
         return [str(error)[-3000:]]
     problems = []
     for index, cell in enumerate(nb.cells):
@@ -81,7 +85,11 @@ def main(argv: list[str]) -> int:
             folder = pathlib.Path(tmp) / name.parent
             folder.mkdir(parents=True)
             os.chdir(folder)  # the kernel starts here; nothing of the repository around it
-            problems = execute(notebook, folder, timeout=300)
+            log = pathlib.Path(tmp) / "kernel-stderr.txt"
+            with log.open("wb") as stderr:
+                problems = execute(notebook, folder, timeout=300, stderr=stderr)
+            if problems:
+                problems.append("the kernel's stderr ended with:\n" + log.read_text(errors="replace")[-2000:])
             os.chdir(tempfile.gettempdir())
         status = "ok" if not problems else "FAILED"
         print(f"  {name}: {status} in {time.perf_counter() - start:.0f} s", flush=True)
