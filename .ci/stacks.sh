@@ -13,7 +13,7 @@
 #   3. every chapter (book/**/*.ipynb), copied to a temporary folder outside the repository
 #      and executed there, as in Colab: no output comparison (that stays on the lock), but
 #      no cell may raise unless it is tagged raises-exception.
-# Each stage prints its time. The Pythons: python3.X on PATH (setup-python on GitHub), else
+# Each stage prints its time; a failed stage does not stop the others (the exit code says). The Pythons: python3.X on PATH (setup-python on GitHub), else
 # pyenv's newest 3.X; override with STACK_PYTHON_<NAME>=/path/to/python.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -55,6 +55,7 @@ pip_in() {  # pip_in PYTHON ARGS...
     return "${PIPESTATUS[0]}"
 }
 
+failed=()
 stacks=("$@")
 [ ${#stacks[@]} -gt 0 ] || stacks=(colab oldest)
 
@@ -99,10 +100,16 @@ if pathlib.Path(sysconfig.get_paths()["purelib"]).resolve() not in where.parents
     sys.exit(f"the tests imported companion from {where}, not from the installed wheel")
 sys.exit(code)
 ' tests -p no:nbval -p no:cacheprovider -o addopts= --import-mode=importlib -q \
-        "${ignores[@]}" ${UNIT_TESTS_MARK:+-m "$UNIT_TESTS_MARK"}
+        "${ignores[@]}" ${UNIT_TESTS_MARK:+-m "$UNIT_TESTS_MARK"} || failed+=("$name: unit tests")
     stage_done "$name: unit tests"
 
     stage "$name: every chapter, outside the repository"
-    "$env/bin/python" -I "$ROOT/.ci/execute_chapters.py" "$ROOT/book"
+    "$env/bin/python" -I "$ROOT/.ci/execute_chapters.py" "$ROOT/book" || failed+=("$name: chapters")
     stage_done "$name: chapters"
 done
+
+if [ ${#failed[@]} -gt 0 ]; then
+    printf '== FAILED: %s\n' "${failed[@]}"
+    exit 1
+fi
+echo "== every stack passed: ${stacks[*]}"
