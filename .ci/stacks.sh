@@ -13,8 +13,9 @@
 #   3. every chapter (book/**/*.ipynb), copied to a temporary folder outside the repository
 #      and executed there, as in Colab: no output comparison (that stays on the lock), but
 #      no cell may raise unless it is tagged raises-exception.
-# Each stage prints its time; a failed stage does not stop the others (the exit code says). The Pythons: python3.X on PATH (setup-python on GitHub), else
-# pyenv's newest 3.X; override with STACK_PYTHON_<NAME>=/path/to/python.
+# Each stage prints its time; a failed stage does not stop the others (the exit code says).
+# The Pythons: python3.X on PATH (setup-python on GitHub), else pyenv's newest 3.X; override
+# with STACK_PYTHON_<NAME>=/path/to/python.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
