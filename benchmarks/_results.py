@@ -5,6 +5,10 @@ TensorFlow's oneDNN kernels were on (TensorFlow turns them on by default on x86 
 AVX-512 and off otherwise; ``TF_ENABLE_ONEDNN_OPTS=0`` or ``=1`` decides), and the stack.
 Ratios from different CPUs differ, so results of several CPUs are kept side by side:
 `default_path` names a file after the benchmark, the CPU and the oneDNN setting.
+
+The results the book shows ship with the package, in ``companion/benchmark_results/``
+(read by :func:`companion.benchmark_results.load_results`): ``--json auto`` and a bare
+file name write there; a path with a folder writes where it says.
 """
 
 from __future__ import annotations
@@ -13,8 +17,12 @@ import datetime
 import json
 import os
 import platform
+import pathlib
 import re
 import sys
+
+#: Where the results the package ships (and the performance chapter shows) live.
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "companion" / "benchmark_results"
 
 #: CPU flags (as /proc/cpuinfo spells them) that decide which kernels TensorFlow, oneDNN and
 #: XLA's code generator use.
@@ -82,15 +90,14 @@ def _slug(text: str) -> str:
 
 
 def default_path(benchmark: str) -> str:
-    """``benchmarks/results/<benchmark>--<cpu>--onednn-<on|off>.json`` for this machine and setting."""
+    """``companion/benchmark_results/<benchmark>--<cpu>--onednn-<on|off>.json`` for this machine and setting."""
     cpu = cpu_description()
     flags = cpu["flags"] or []
     # The widest vector extension goes into the name: one model name can hide both.
     vector = next((flag for flag in ("avx512f", "avx2", "avx") if flag in flags), None)
     name = _slug(cpu["model"] + (f" {vector.replace('avx512f', 'avx512')}" if vector else ""))
     onednn = {True: "on", False: "off", None: "unknown"}[onednn_state()["enabled"]]
-    here = os.path.dirname(os.path.abspath(__file__))
-    return os.path.join(here, "results", f"{benchmark}--{name}--onednn-{onednn}.json")
+    return str(RESULTS / f"{benchmark}--{name}--onednn-{onednn}.json")
 
 
 def write_results(path: str, benchmark: str, ratios: list[dict]) -> None:
@@ -106,6 +113,8 @@ def write_results(path: str, benchmark: str, ratios: list[dict]) -> None:
 
     if path == "auto":
         path = default_path(benchmark)
+    elif os.path.dirname(path) == "":
+        path = str(RESULTS / path)
     cpu = cpu_description()
     versions = stack()
     gpus = tf.config.list_physical_devices("GPU")

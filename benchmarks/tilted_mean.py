@@ -12,7 +12,7 @@ machine load hits all of them, and the medians are compared. Usage::
 Prints each median and the ratio tilted_mean / naive per dtype (the target is <= 1.5);
 with ``--json`` also writes them, with the quartiles of the per-round ratios, the CPU, the
 oneDNN setting and the stack, for the book's performance page. ``--json auto`` names the
-file after the CPU and the oneDNN setting (``benchmarks/results/tilted_mean--<cpu>--
+file after the CPU and the oneDNN setting (``companion/benchmark_results/tilted_mean--<cpu>--
 onednn-<on|off>.json``), so results from several CPUs sit side by side. oneDNN is chosen
 when TensorFlow starts: run once with ``TF_ENABLE_ONEDNN_OPTS=0`` and once with ``=1``.
 """

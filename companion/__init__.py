@@ -17,6 +17,7 @@ Submodules:
     targets: the families of target functions g(x) that ParameterNet fits.
     reproductions: the seeds' failing code, faithfully, so chapters and tests can show it.
     accuracy: errors in ulp against an mpmath reference (needs mpmath).
+    benchmark_results: the measured cost of the fixes, shipped with the package.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from companion._version import __version__
 _SUBMODULES = (
     "accuracy",
     "attention",
+    "benchmark_results",
     "diagnostics",
     "launch",
     "losses",

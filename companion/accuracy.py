@@ -156,7 +156,7 @@ def ulp_error(computed, reference, dtype) -> np.ndarray:
         >>> third = np.float32(1) / np.float32(3)
         >>> round(float(ulp_error(third, 1 / 3, np.float32)), 3)
         0.333
-        >>> float(ulp_error(np.nextafter(third, 1), 1 / 3, np.float32)) > 1
+        >>> float(ulp_error(np.nextafter(third, np.float32(1)), 1 / 3, np.float32)) > 1
         True
     """
     info = _finfo(dtype)

@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# CI, after the locked suite: the package on the other stacks readers run it on.
+#
+#     bash .ci/stacks.sh [colab] [oldest]        # default: both
+#
+# For each stack (.ci/stacks/NAME.txt: the pins, and a line '# python: 3.X'), in a
+# fresh virtual environment:
+#   1. install the package from a wheel built from this checkout (never the checkout itself)
+#      with the stack's pins and the test tools;
+#   2. the unit tests: tests/ without nbval, without the tests of the repository and the
+#      built book (UNIT_TESTS_SKIP below) and without the slow multi-process tests,
+#      importing the installed package;
+#   3. every chapter (book/**/*.ipynb), copied to a temporary folder outside the repository
+#      and executed there, as in Colab: no output comparison (that stays on the lock), but
+#      no cell may raise unless it is tagged raises-exception.
+# Each stage prints its time; a failed stage does not stop the others (the exit code says).
+# The Pythons: python3.X on PATH (setup-python on GitHub), else pyenv's newest 3.X; override
+# with STACK_PYTHON_<NAME>=/path/to/python.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+STACKS_DIR=${STACKS_DIR:-$ROOT/.venv-stacks}
+
+# Not unit tests: they check the repository, the built book and the lock (README, changelog,
+# workflows, packaging from git, the nbval harness, the browser); they run on the lock only.
+UNIT_TESTS_SKIP=(
+    tests/test_book.py tests/test_browser.py tests/test_built_book.py tests/test_changelog.py
+    tests/test_nbval_harness.py tests/test_packaging.py tests/test_readme.py tests/test_stacks.py
+    tests/test_workflows.py
+)
+# The tests marked slow (fresh processes: MirroredStrategy, multi-worker jobs) run on the lock
+# only, to keep CI within its time; UNIT_TESTS_MARK="" runs them here too.
+UNIT_TESTS_MARK=${UNIT_TESTS_MARK-not slow}
+
+stage_start=0
+stage() { stage_start=$(date +%s); echo "== $1"; }
+stage_done() { echo "== $1: $(( $(date +%s) - stage_start )) s"; }
+
+find_python() {  # find_python NAME VERSION
+    local override="STACK_PYTHON_${1^^}"
+    if [ -n "${!override:-}" ]; then echo "${!override}"; return; fi
+    if command -v "python$2" >/dev/null && "python$2" -c '' 2>/dev/null; then command -v "python$2"; return; fi
+    local root
+    root=$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")
+    local found
+    found=$(ls -d "$root"/versions/"$2".*/bin/python 2>/dev/null | sort -V | tail -n 1)
+    if [ -z "$found" ]; then echo "no Python $2 found (set $override)" >&2; return 1; fi
+    echo "$found"
+}
+
+# pip, without the lines about index locations this machine's pip configuration lists but
+# does not have.
+pip_in() {  # pip_in PYTHON ARGS...
+    local python=$1; shift
+    "$python" -m pip "$@" 2>&1 | { grep -v "^WARNING: Location '.*' is ignored" || true; }
+    return "${PIPESTATUS[0]}"
+}
+
+failed=()
+stacks=("$@")
+[ ${#stacks[@]} -gt 0 ] || stacks=(colab oldest)
+
+wheels=$(mktemp -d)
+trap 'rm -rf "$wheels"' EXIT
+stage "build the wheel"
+pip_in python3 wheel --quiet --no-deps --wheel-dir "$wheels" "$ROOT"
+wheel=$(ls "$wheels"/*.whl)
+stage_done "build the wheel ($(basename "$wheel"))"
+
+for name in "${stacks[@]}"; do
+    pins="$ROOT/.ci/stacks/$name.txt"
+    version=$(sed -n 's/^# *python: *\([0-9.]*\).*/\1/p' "$pins" | head -n 1)
+    [ -n "$version" ] || { echo "$pins names no Python (a line '# python: 3.X')" >&2; exit 1; }
+    python=$(find_python "$name" "$version")
+    env="$STACKS_DIR/$name"
+
+    stage "$name: install (Python $version: $python)"
+    rm -rf "$env"
+    "$python" -m venv "$env"
+    pip_in "$env/bin/python" install --quiet --upgrade pip
+    # The test tools are not part of the stack and float; the stack's pins win.
+    pip_in "$env/bin/python" install --quiet -r "$pins" "$wheel" \
+        pytest hypothesis mpmath ipykernel nbclient nbformat
+    pip_in "$env/bin/python" check
+    TF_CPP_MIN_LOG_LEVEL=3 "$env/bin/python" -c 'import sys, numpy, tensorflow, keras; print("  Python", sys.version.split()[0],
+          "TensorFlow", tensorflow.__version__, "Keras", keras.__version__, "NumPy", numpy.__version__)'
+    stage_done "$name: install"
+
+    stage "$name: unit tests"
+    # -I: neither the current folder nor PYTHONPATH on sys.path; importlib mode: pytest adds no
+    # folder of the checkout either, so `companion` is the installed one (checked after the run).
+    ignores=()
+    for path in "${UNIT_TESTS_SKIP[@]}"; do ignores+=("--ignore=$path"); done
+    "$env/bin/python" -I -c '
+import pathlib, sys, sysconfig
+import pytest
+code = pytest.main(sys.argv[1:])
+import companion
+where = pathlib.Path(companion.__file__).resolve()
+if pathlib.Path(sysconfig.get_paths()["purelib"]).resolve() not in where.parents:
+    sys.exit(f"the tests imported companion from {where}, not from the installed wheel")
+sys.exit(code)
+' tests -p no:nbval -p no:cacheprovider -o addopts= --import-mode=importlib -q \
+        "${ignores[@]}" ${UNIT_TESTS_MARK:+-m "$UNIT_TESTS_MARK"} || failed+=("$name: unit tests")
+    stage_done "$name: unit tests"
+
+    stage "$name: every chapter, outside the repository"
+    "$env/bin/python" -I "$ROOT/.ci/execute_chapters.py" "$ROOT/book" || failed+=("$name: chapters")
+    stage_done "$name: chapters"
+done
+
+if [ ${#failed[@]} -gt 0 ]; then
+    printf '== FAILED: %s\n' "${failed[@]}"
+    exit 1
+fi
+echo "== every stack passed: ${stacks[*]}"

@@ -1,0 +1,61 @@
+"""The stacks CI tests besides the lock (.ci/stacks/*.txt) are the ones the package declares."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+
+import book_tools
+
+STACKS = book_tools.ROOT / ".ci" / "stacks"
+PYPROJECT = tomllib.loads((book_tools.ROOT / "pyproject.toml").read_text())
+
+
+def _stack(name: str) -> tuple[str, dict[str, str]]:
+    """(python version, {package: pinned version}) of .ci/stacks/NAME.txt."""
+    text = (STACKS / f"{name}.txt").read_text()
+    python = re.search(r"^# *python: *([0-9.]+)\s*$", text, re.M).group(1)
+    pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)\s*$", text, re.M))
+    return python, {package.lower(): _normal(version) for package, version in pins.items()}
+
+
+def _normal(version: str) -> str:
+    """``2.16.0`` and ``2.16`` alike: ``2.16``."""
+    parts = [int(part) for part in version.split(".")]
+    while len(parts) > 1 and parts[-1] == 0:
+        parts.pop()
+    return ".".join(map(str, parts))
+
+
+def _lower_bounds(requirements: list[str]) -> dict[str, str]:
+    bounds = {}
+    for requirement in requirements:
+        match = re.fullmatch(r"([A-Za-z0-9_.-]+)\s*>=\s*([0-9.]+)(?:\s*,.*)?", requirement.strip())
+        assert match, f"{requirement!r}: every dependency must have a lower bound (>=)"
+        bounds[match.group(1).lower()] = _normal(match.group(2))
+    return bounds
+
+
+def test_the_oldest_stack_is_exactly_the_lower_bounds_pyproject_declares():
+    python, pins = _stack("oldest")
+    project = PYPROJECT["project"]
+    declared = _lower_bounds(project["dependencies"])
+    declared["matplotlib"] = _lower_bounds(project["optional-dependencies"]["book"])["matplotlib"]
+    assert project["requires-python"] == f">={python}"
+    assert pins == declared, "pin each lower bound of pyproject.toml in .ci/stacks/oldest.txt, and nothing else"
+
+
+def test_the_colab_stack_is_colab_s_python_tensorflow_keras_numpy_and_matplotlib():
+    python, pins = _stack("colab")
+    assert python == "3.13"
+    assert set(pins) == {"tensorflow", "keras", "numpy", "matplotlib"}
+    declared = _lower_bounds(PYPROJECT["project"]["dependencies"])
+    for package, bound in declared.items():
+        as_tuple = lambda version: tuple(int(part) for part in version.split("."))  # noqa: E731
+        assert as_tuple(pins[package]) >= as_tuple(bound), f"Colab's {package} is below pyproject's bound"
+
+
+def test_ci_runs_the_stacks_after_the_locked_suite():
+    ci = (book_tools.ROOT / ".ci" / "run").read_text()
+    assert "python -m pytest" in ci and "bash .ci/stacks.sh" in ci
+    assert ci.index("python -m pytest") < ci.index("bash .ci/stacks.sh")
