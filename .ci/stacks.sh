@@ -30,7 +30,7 @@ UNIT_TESTS_SKIP=(
 )
 # The tests marked slow (fresh processes: MirroredStrategy, multi-worker jobs) run on the lock
 # only, to keep CI within its time; UNIT_TESTS_MARK="" runs them here too.
-UNIT_TESTS_MARK=${UNIT_TESTS_MARK-not slow}
+UNIT_TESTS_MARK=${UNIT_TESTS_MARK-not slow and not lock and not killmatrix}
 
 stage_start=0
 stage() { stage_start=$(date +%s); echo "== $1"; }

@@ -16,7 +16,10 @@ import time
 
 import pytest
 
-import book_tools
+# The tests' shared modules (training_data) import by name, also under --import-mode=importlib.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import book_tools  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
