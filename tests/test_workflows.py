@@ -60,11 +60,18 @@ def test_tests_workflow_runs_ci_once_for_every_change():
     workflow = _load("tests.yml")
     assert workflow["on"]["push"] == {"branches": ["**"]}, "every push to a branch is tested (tags: release.yml)"
     assert "pull_request" in workflow["on"] and "workflow_call" in workflow["on"]
-    (job,) = workflow["jobs"].values()
+    assert set(workflow["jobs"]) == {"test", "stacks"}
+    job, stacks = workflow["jobs"]["test"], workflow["jobs"]["stacks"]
     # A pull request from a branch of this repository was tested by its push already.
-    assert job["if"] == (
-        "github.event_name != 'pull_request' || github.event.pull_request.head.repo.full_name != github.repository"
-    )
+    for each in (job, stacks):
+        assert each["if"] == (
+            "github.event_name != 'pull_request' || github.event.pull_request.head.repo.full_name != github.repository"
+        )
+    # The other stacks run in a job of their own, with the Pythons they need.
+    assert job["steps"][-1]["env"] == {"CI_SKIP_STACKS": "1"}
+    assert stacks["steps"][-1]["run"] == "bash .ci/stacks.sh"
+    (python,) = _uses({"jobs": {"s": stacks}}, "actions/setup-python")
+    assert {"3.10", "3.13"} <= set(python["with"]["python-version"].split())
     assert re.search(r"^bash \.ci/run$", _runs(workflow), re.M)
     assert _uses(workflow, "actions/checkout")
     # The browser test needs Debian's chromium; CI fails rather than skips without it.
@@ -75,7 +82,7 @@ def test_tests_workflow_runs_ci_once_for_every_change():
 
 
 def test_pip_downloads_are_cached_under_a_key_of_the_lock():
-    (cache,) = _uses(_load("tests.yml"), "actions/cache")
+    cache = _uses({"jobs": {"t": _load("tests.yml")["jobs"]["test"]}}, "actions/cache")[0]
     assert cache["with"]["path"] == "~/.cache/pip"
     assert "hashFiles('requirements.txt')" in cache["with"]["key"]
     for name in ("pages.yml", "release.yml"):
