@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 import numpy as np
+import tensorflow as tf
 
 #: Names of the half-precision float dtypes: computed in, but never reduced in (losses,
 #: softmax and statistics are taken in float32).
@@ -66,3 +67,34 @@ def check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
     return bool(value)
+
+
+#: The floating dtypes the numerics accept.
+FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+
+
+def as_float_tensor(value, name: str, dtype: tf.DType | None = None) -> tf.Tensor:
+    """``tf.convert_to_tensor`` that accepts floating tensors only, with a clear error."""
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{name} must be a floating-point tensor, got a string {value!r}")
+    try:
+        if isinstance(value, (tf.Tensor, tf.Variable, np.ndarray)) or (
+            dtype is None and isinstance(value, np.generic)
+        ):
+            # Tensors, arrays and (for x itself) NumPy scalars keep their own dtype:
+            # a float64 array must not silently become float32.
+            tensor = tf.convert_to_tensor(value)
+        else:
+            # Python numbers and lists, and NumPy scalars given for p, take x's dtype
+            # (or float32).
+            tensor = tf.convert_to_tensor(value, dtype_hint=dtype or tf.float32)
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"{name} must be a floating-point tensor, got {type(value).__name__}: {err}") from None
+    if tensor.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} must have a floating dtype (float16, bfloat16, float32 or float64), "
+            f"got {tensor.dtype.name}; cast it first, e.g. tf.cast({name}, tf.float32)"
+        )
+    if dtype is not None and tensor.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype.name} like x, got {tensor.dtype.name}")
+    return tensor
