@@ -10,7 +10,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def _pinned(package: str) -> str:
     text = (ROOT / "requirements.txt").read_text(encoding="utf-8")
-    match = re.search(rf"^{package}==([\w.]+)\s*$", text, re.MULTILINE)
+    match = re.search(rf"^{package}==([\w.]+)\s*(#.*)?$", text, re.MULTILINE)  # uv adds "# via" comments
     assert match, f"requirements.txt pins no exact {package} version"
     return match.group(1)
 
