@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import sys
 
 import keras
 import matplotlib
@@ -24,9 +25,11 @@ def _public_examples():
     finder = doctest.DocTestFinder(exclude_empty=True)
     for module_name in companion._SUBMODULES:
         module = importlib.import_module(f"companion.{module_name}")
-        globs = {**vars(module), "keras": keras, "np": np, "tf": tf}
         for name in getattr(module, "__all__", ()):
             obj = getattr(module, name)
+            # The names of the module that defines it (a private one, for re-exported objects) and of the public one.
+            home = sys.modules.get(getattr(obj, "__module__", None) or module.__name__, module)
+            globs = {**vars(home), **vars(module), "keras": keras, "np": np, "tf": tf}
             for test in finder.find(obj, f"companion.{module_name}.{name}", module=module, globs=globs):
                 if test.examples:
                     yield pytest.param(test, id=test.name)
