@@ -125,4 +125,4 @@ if [ ${#failed[@]} -gt 0 ]; then
     printf '== FAILED: %s\n' "${failed[@]}"
     exit 1
 fi
-echo "== every stack passed: ${stacks[*]}"
+if [ "$phase" = install ]; then echo "== every stack installed: ${stacks[*]}"; else echo "== every stack passed: ${stacks[*]}"; fi
