@@ -18,9 +18,15 @@ import numbers
 import os
 import random
 import sys
+import threading
 from typing import Sequence
 
-__all__ = ["BOOK_COLORS", "BOOK_STYLE", "Table", "html_table", "setup"]
+__all__ = ["BOOK_COLORS", "BOOK_STYLE", "PERTURB_ULP_ENV", "Table", "html_table", "setup"]
+
+#: The environment variable that turns on :func:`setup`'s ``perturb_ulp`` ("1" on, "0" or
+#: unset off): ``COMPANION_PERTURB_ULP=1 python -m pytest book`` re-runs every chapter
+#: with every new variable one ulp away from its seeded value.
+PERTURB_ULP_ENV = "COMPANION_PERTURB_ULP"
 
 #: The matplotlib style of every figure in the book.
 BOOK_STYLE: dict[str, object] = {
@@ -42,7 +48,7 @@ BOOK_STYLE: dict[str, object] = {
 BOOK_COLORS = ["#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000"]
 
 
-def setup(seed: int = 0, *, deterministic: bool | None = None) -> None:
+def setup(seed: int = 0, *, deterministic: bool | None = None, perturb_ulp: bool | None = None) -> None:
     """Make a chapter reproducible and quiet, and set the book's plot style.
 
     It
@@ -55,7 +61,25 @@ def setup(seed: int = 0, *, deterministic: bool | None = None) -> None:
     3. enables op determinism (:func:`tf.config.experimental.enable_op_determinism`),
        so the same code on the same machine gives bit-identical results, unless a GPU
        is visible (see below);
-    4. sets the matplotlib style :data:`BOOK_STYLE` and colours :data:`BOOK_COLORS`, if matplotlib is installed.
+    4. sets the matplotlib style :data:`BOOK_STYLE` and colours :data:`BOOK_COLORS`, if matplotlib is installed;
+    5. with ``perturb_ulp``, moves every variable created from then on one ulp away from
+       its initial value (below).
+
+    **One ulp away.** A printed digit that a different order of summation would change
+    (another CPU's vector width, another kernel) is a defect of the chapter: it passes
+    here and fails on a reader's machine. ``perturb_ulp=True`` (or the environment
+    variable ``COMPANION_PERTURB_ULP=1`` when ``perturb_ulp`` is ``None``) makes that
+    class of defect visible on one machine: every floating-point ``tf.Variable`` created
+    afterwards in this thread (so every Keras weight, optimizer slot and metric, and every
+    ``tf.Variable`` of a chapter) starts with each finite, non-zero element moved to the
+    neighbouring float, up or down at random (seeded by ``seed``, so the perturbed run is
+    itself reproducible). Exact zeros, infinities and NaNs, integer variables, values
+    restored from a checkpoint and variables created under a ``tf.distribute`` strategy
+    (whose replicas must stay equal) are left as they are. A one-ulp change is what a
+    different rounding of the first sum does; a printed digit that survives it survives
+    the reader's CPU. ``setup`` without it (the default) creates variables untouched. It
+    uses the public ``tf.variable_creator_scope``; call ``setup`` outside any
+    ``strategy.scope()``.
 
     **On a GPU.** Op determinism makes every op either run a deterministic kernel or
     raise ``UnimplementedError`` when it has none on the device (TensorFlow's
@@ -75,11 +99,15 @@ def setup(seed: int = 0, *, deterministic: bool | None = None) -> None:
         seed: a non-negative integer.
         deterministic: ``None`` (default): enable op determinism unless a GPU is visible;
             ``True``: enable it on any device; ``False``: do not enable it.
+        perturb_ulp: ``None`` (default): as the environment variable
+            ``COMPANION_PERTURB_ULP`` says ("1" on; unset, empty or "0" off);
+            ``True``/``False``: on or off, whatever the environment says.
 
     Raises:
         TypeError: if ``seed`` is not an integer (``bool`` included), or
-            ``deterministic`` is not ``None``, ``True`` or ``False``.
-        ValueError: if ``seed`` is negative.
+            ``deterministic`` or ``perturb_ulp`` is not ``None``, ``True`` or ``False``.
+        ValueError: if ``seed`` is negative, or ``COMPANION_PERTURB_ULP`` is set to
+            something other than "", "0" or "1".
 
     Example:
         >>> from companion.notebook import setup
@@ -94,6 +122,11 @@ def setup(seed: int = 0, *, deterministic: bool | None = None) -> None:
     if deterministic is not None and not isinstance(deterministic, bool):
         kind = type(deterministic).__name__
         raise TypeError(f"deterministic must be None, True or False, got {kind} {deterministic!r}")
+    if perturb_ulp is not None and not isinstance(perturb_ulp, bool):
+        kind = type(perturb_ulp).__name__
+        raise TypeError(f"perturb_ulp must be None, True or False, got {kind} {perturb_ulp!r}")
+    if perturb_ulp is None:
+        perturb_ulp = _perturb_ulp_from_environment()
 
     if "tensorflow" not in sys.modules:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -109,6 +142,7 @@ def setup(seed: int = 0, *, deterministic: bool | None = None) -> None:
         deterministic = not tf.config.list_physical_devices("GPU")
     if deterministic:
         tf.config.experimental.enable_op_determinism()
+    _perturb_new_variables(seed if perturb_ulp else None)
 
     try:
         import matplotlib
@@ -119,6 +153,76 @@ def setup(seed: int = 0, *, deterministic: bool | None = None) -> None:
     style = dict(BOOK_STYLE)
     style["axes.prop_cycle"] = cycler(color=BOOK_COLORS)
     matplotlib.rcParams.update(style)
+
+
+def _perturb_ulp_from_environment() -> bool:
+    value = os.environ.get(PERTURB_ULP_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{PERTURB_ULP_ENV} must be unset, '0' or '1', got {value!r}")
+    return value == "1"
+
+
+# The perturbation: the seed of its random directions (None: off), how many variables it
+# has moved (each variable's directions come from (seed, that count)), and the threads
+# whose variable-creator stack holds the creator below (installed once per thread, on
+# first use, and never removed: switching off only sets the seed to None).
+_perturbation: dict[str, int | None] = {"seed": None, "count": 0}
+_perturbing_threads: dict[int, object] = {}
+
+
+def _one_ulp_away(value, seed: int, index: int, dtype=None):
+    """``value`` with each finite non-zero element moved to a neighbouring float (a seeded random direction)."""
+    import tensorflow as tf
+
+    value = tf.convert_to_tensor(value, dtype=dtype)
+    bits_dtype = {tf.float16: tf.int16, tf.bfloat16: tf.int16, tf.float32: tf.int32, tf.float64: tf.int64}.get(
+        value.dtype
+    )
+    if bits_dtype is None:  # integers, booleans, complex numbers, strings: as they are
+        return value
+    up = tf.random.stateless_uniform(tf.shape(value), seed=[seed, index]) < 0.5
+    # The bits of a float, read as a signed integer, grow with its magnitude: +1 moves a
+    # positive float up (towards +inf) and a negative one down.
+    step = tf.where(tf.not_equal(up, value < 0), tf.ones([], bits_dtype), -tf.ones([], bits_dtype))
+    bits = tf.bitcast(value, bits_dtype)
+    moved = tf.bitcast(bits + step, value.dtype)
+    moved = tf.where(tf.math.is_finite(moved), moved, tf.bitcast(bits - step, value.dtype))  # not past the largest
+    return tf.where(tf.math.is_finite(value) & tf.not_equal(value, 0), moved, value)
+
+
+def _perturbing_creator(next_creator, **kwargs):
+    import tensorflow as tf
+
+    from companion import _tf_internals
+
+    seed = _perturbation["seed"]
+    initial = kwargs.get("initial_value")
+    if seed is None or initial is None or tf.distribute.has_strategy() or _tf_internals.is_checkpoint_restore(initial):
+        return next_creator(**kwargs)
+    index = _perturbation["count"]
+    _perturbation["count"] = index + 1
+    dtype = kwargs.get("dtype")
+    if callable(initial):
+        kwargs["initial_value"] = lambda: _one_ulp_away(initial(), seed, index, dtype)
+    else:
+        try:
+            kwargs["initial_value"] = _one_ulp_away(initial, seed, index, dtype)
+        except (TypeError, ValueError):  # not convertible to the dtype: tf.Variable says why
+            pass
+    return next_creator(**kwargs)
+
+
+def _perturb_new_variables(seed: int | None) -> None:
+    """Move every variable created from now on by one ulp (``seed``), or stop (``None``)."""
+    _perturbation["seed"] = seed
+    _perturbation["count"] = 0
+    thread = threading.get_ident()
+    if seed is not None and thread not in _perturbing_threads:
+        import tensorflow as tf
+
+        scope = tf.variable_creator_scope(_perturbing_creator)
+        scope.__enter__()  # for the rest of the process: kept referenced so it is never closed
+        _perturbing_threads[thread] = scope
 
 
 def _cell_text(value: object, float_format: str) -> str:
