@@ -21,7 +21,7 @@ import sys
 import threading
 from typing import Sequence
 
-__all__ = ["BOOK_COLORS", "BOOK_STYLE", "PERTURB_ULP_ENV", "Table", "html_table", "setup"]
+__all__ = ["BOOK_COLORS", "BOOK_STYLE", "PERTURB_ULP_ENV", "TABLE_STYLE", "Table", "html_table", "setup"]
 
 #: The environment variable that turns on :func:`setup`'s ``perturb_ulp`` ("1" on, "0" or
 #: unset off): ``COMPANION_PERTURB_ULP=1 python -m pytest book`` re-runs every chapter
@@ -241,6 +241,63 @@ def _cell_text(value: object, float_format: str) -> str:
     return str(value)
 
 
+#: The inline style of every table :func:`html_table` makes (inline, so that Jupyter,
+#: Colab and the built book show the same table): booktabs-like rules (a heavy rule above
+#: and below, a thin one under the header, faint ones between rows) in the text's colour,
+#: so they suit light and dark themes; padding between cells; numbers right-aligned, in
+#: tabular (equal-width) figures and never broken across lines; and a wrapper that lets
+#: a table wider than the page scroll inside itself rather than widen the page.
+TABLE_STYLE: dict[str, str] = {
+    "wrap": "overflow-x: auto; max-width: 100%; margin: 0.25em 0 0.75em",
+    "table": (
+        "border-collapse: collapse; border-spacing: 0; width: auto; margin: 0; "
+        "border-top: 2px solid currentColor; border-bottom: 2px solid currentColor; "
+        "font-variant-numeric: tabular-nums lining-nums; font-size: 0.9em; line-height: 1.35"
+    ),
+    "caption": "caption-side: top; text-align: left; padding: 0 0 0.35em; font-style: italic",
+    "th": (
+        "padding: 0.4em 0.75em; border: none; border-bottom: 1px solid currentColor; "
+        "vertical-align: bottom; font-weight: 600; background: none"
+    ),
+    "td": (
+        "padding: 0.25em 0.75em; border: none; border-top: 1px solid rgba(128, 128, 128, 0.3); "
+        "vertical-align: top; background: none"
+    ),
+    "number": "text-align: right; white-space: nowrap",
+    "text": "text-align: left",
+}
+
+
+def _is_numeric(text: str) -> bool:
+    """Whether a cell's text is a number (``nan`` and ``inf`` included) or a boolean: right-aligned."""
+    try:
+        float(text)
+    except ValueError:
+        return text in ("True", "False")
+    return True
+
+
+def _header_html(name: str, longest_line: int = 20) -> str:
+    """A column name, escaped, that breaks into a few balanced lines, never a word a line.
+
+    Names up to ``longest_line`` characters stay on one line; longer ones are cut into
+    ``ceil(len / longest_line)`` lines of about equal length, with non-breaking spaces
+    inside each line, so a narrow column cannot stack the name one word a line.
+    """
+    words = name.split()
+    if not words:
+        return html.escape(name)
+    lines_wanted = max(1, math.ceil(len(name) / longest_line))
+    target = math.ceil(len(name) / lines_wanted)
+    lines: list[list[str]] = [[]]
+    for word in words:
+        current = " ".join(lines[-1])
+        if lines[-1] and len(current) + 1 + len(word) > target and len(lines) < lines_wanted:
+            lines.append([])
+        lines[-1].append(word)
+    return " ".join("&nbsp;".join(html.escape(word) for word in line) for line in lines)
+
+
 class Table:
     """Rows of values shown as an HTML table in a notebook, and as aligned text elsewhere.
 
@@ -259,28 +316,32 @@ class Table:
         self.caption = caption
 
     def _repr_html_(self) -> str:
-        def numeric(text: str) -> bool:
-            try:
-                float(text)
-            except ValueError:
-                return text in ("True", "False")
-            return True
-
-        lines = ['<table class="companion-table">']
+        columns = len(self.header) if self.header else (len(self.rows[0]) if self.rows else 0)
+        numeric_column = [
+            all(_is_numeric(row[i]) for row in self.rows if row[i]) and any(row[i] for row in self.rows)
+            for i in range(columns)
+        ]
+        lines = [f'<div class="companion-table-wrap" style="{TABLE_STYLE["wrap"]}">',
+                 f'<table class="companion-table" style="{TABLE_STYLE["table"]}">']
         if self.caption is not None:
-            lines.append(f"<caption>{html.escape(self.caption)}</caption>")
+            lines.append(f'<caption style="{TABLE_STYLE["caption"]}">{html.escape(self.caption)}</caption>')
         if self.header:
-            cells = "".join(f"<th>{html.escape(h)}</th>" for h in self.header)
+            cells = "".join(
+                f'<th style="{TABLE_STYLE["th"]}; text-align: {"right" if numeric else "left"}">{_header_html(h)}</th>'
+                for h, numeric in zip(self.header, numeric_column)
+            )
             lines.append(f"<thead><tr>{cells}</tr></thead>")
         lines.append("<tbody>")
         for row in self.rows:
             cells = "".join(
-                f'<td style="text-align: right">{html.escape(c)}</td>' if numeric(c) else f"<td>{html.escape(c)}</td>"
+                f'<td style="{TABLE_STYLE["td"]}; {TABLE_STYLE["number" if _is_numeric(c) else "text"]}">'
+                f"{html.escape(c)}</td>"
                 for c in row
             )
             lines.append(f"<tr>{cells}</tr>")
         lines.append("</tbody>")
         lines.append("</table>")
+        lines.append("</div>")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -308,7 +369,10 @@ def html_table(
     computation, not the formatting. Floats are formatted with ``float_format``
     (``nan`` and ``inf`` as Python prints them), booleans and integers as Python prints
     them, ``None`` as an empty cell, anything else with ``str``; NumPy and TensorFlow
-    scalars count as the Python number they hold. Numbers are right-aligned.
+    scalars count as the Python number they hold. Every table has the book's one style
+    (:data:`TABLE_STYLE`, inline, so Jupyter and Colab show it too): padding and rules
+    between cells, numbers right-aligned in tabular figures, long column names broken
+    into a few balanced lines.
 
     Args:
         rows: a sequence of rows, each a sequence of cells, all of the same length.

@@ -97,6 +97,13 @@ def test_setup_rejects_bad_seed(seed, error):
         setup(seed=seed)
 
 
+def _cells(page: str, tag: str) -> list[tuple[str, str]]:
+    """(style, text) of every <tag> of a table's HTML."""
+    import re
+
+    return re.findall(rf'<{tag} style="([^"]*)">(.*?)</{tag}>', page)
+
+
 def test_html_table_renders_a_header_and_formatted_cells():
     from companion.notebook import html_table
 
@@ -107,20 +114,53 @@ def test_html_table_renders_a_header_and_formatted_cells():
         float_format=".2f",
     )
     page = table._repr_html_()
-    assert page.count("<tr>") == 3 and page.count("<th>") == 4
-    assert "<caption>at x = 0</caption>" in page
-    assert '<td style="text-align: right">0.12</td>' in page  # float32 formatted, right-aligned
-    assert '<td style="text-align: right">nan</td>' in page
-    assert "<td>tf.pow</td>" in page
+    assert page.count("<tr>") == 3 and len(_cells(page, "th")) == 4 and len(_cells(page, "td")) == 8
+    assert ">at x = 0</caption>" in page
+    texts = [text for _, text in _cells(page, "td")]
+    assert texts == ["tf.pow", "nan", "True", "3", "safe_pow", "0.12", "False", "0"]  # float32 formatted
     assert table.rows == (("tf.pow", "nan", "True", "3"), ("safe_pow", "0.12", "False", "0"))
     assert repr(table).splitlines()[1].split()[0] == "power"
+
+
+def test_html_table_has_the_book_style_inline():
+    # Inline, so that Jupyter and Colab (which have no book CSS) show the same table.
+    from companion.notebook import html_table
+
+    page = html_table([["safe_pow", -1.38e-11, -1.38e-11], ["tf.pow", 2.0, float("inf")]],
+                      ["power", "value at x = 0", "d/dx"])._repr_html_()
+    assert 'style="overflow-x: auto' in page.split("<table")[0]  # a wide table scrolls by itself, not the page
+    table_style = page.split('<table class="companion-table" style="', 1)[1].split('"', 1)[0]
+    assert "border-collapse: collapse" in table_style and "tabular-nums" in table_style
+    assert "border-top: 2px solid" in table_style and "border-bottom: 2px solid" in table_style  # rules
+    for style, text in _cells(page, "td"):
+        assert "padding: 0.25em 0.75em" in style, text  # cells never run together
+        numeric = text not in ("safe_pow", "tf.pow")
+        assert ("text-align: right; white-space: nowrap" in style) is numeric, text
+        assert ("text-align: left" in style) is (not numeric), text
+    header = _cells(page, "th")
+    assert [("text-align: right" in style) for style, _ in header] == [False, True, True]  # as their columns
+    assert all("border-bottom: 1px solid" in style for style, _ in header)
+
+
+@pytest.mark.parametrize("name", ["share of points attending most to themselves", "first non-finite step (power law)",
+                                  "series, |x| < x* (ulp)", "d/dx at x = -2", "b", "loss"])
+def test_long_column_names_break_into_a_few_balanced_lines_never_a_word_a_line(name):
+    import html
+    import math
+
+    from companion.notebook import _header_html
+
+    lines = [html.unescape(line) for line in _header_html(name).split(" ")]  # breaks only at plain spaces
+    assert " ".join(line.replace("\xa0", " ") for line in lines) == name
+    assert len(lines) == max(1, math.ceil(len(name) / 20)) if len(name) > 20 else lines == [name.replace(" ", "\xa0")]
+    assert all(len(line) <= 20 for line in lines) and (len(lines) == 1 or all(" " in line or "\xa0" in line for line in lines))
 
 
 def test_html_table_escapes_text():
     from companion.notebook import html_table
 
     page = html_table([["a < b & c"]], ["<x>"])._repr_html_()
-    assert "<th>&lt;x&gt;</th>" in page and "<td>a &lt; b &amp; c</td>" in page
+    assert ">&lt;x&gt;</th>" in page and ">a &lt; b &amp; c</td>" in page
 
 
 @pytest.mark.parametrize(
