@@ -167,3 +167,77 @@ def test_pages_link_to_the_configured_repository():
                 f"{page.name} links to {found}, not to repository.url {url}; "
                 "run `python scripts/refresh_notebooks.py --no-execute`"
             )
+
+
+# --- Exercises: every solution hidden until opened ---------------------------------------
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_every_solution_is_hidden_until_opened(path):
+    nb = _load(path)
+    problems = book_tools.solution_problems(nb)
+    assert not problems, f"{path.name}: run `python scripts/hide_solutions.py`\n  " + "\n  ".join(problems)
+    import copy
+
+    assert book_tools.hide_solutions(copy.deepcopy(nb)) == [], f"{path.name}: run `python scripts/hide_solutions.py`"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_every_exercise_has_a_worked_solution(path):
+    # After each `**Exercise N.**`, before the next one: a code cell `# Solution...` or a hidden explanation.
+    stated, solved = [], set()
+    for cell in _load(path)["cells"]:
+        source = "".join(cell["source"])
+        if cell["cell_type"] == "code" and book_tools.is_solution_code(cell) and stated:
+            solved.add(stated[-1])
+        for piece in re.split(r"(?=^\*\*Exercise \d+\.\*\*)", source, flags=re.M) if cell["cell_type"] == "markdown" else []:
+            if book_tools.SOLUTION_OPEN in piece and stated:
+                solved.add(stated[-1])
+            number = re.match(r"\*\*Exercise (\d+)\.\*\*", piece)
+            if number:
+                stated.append(number.group(1))
+    assert stated == [str(n) for n in range(1, len(stated) + 1)], f"{path.name}: exercises numbered {stated}"
+    assert set(stated) <= solved, f"{path.name}: exercises without a solution: {sorted(set(stated) - solved)}"
+
+
+def test_hide_solutions_hides_code_output_and_text_and_changes_nothing_else():
+    import copy
+
+    import nbformat
+
+    output = nbformat.v4.new_output("stream", name="stdout", text="42\n")
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_markdown_cell("## Exercises\n\n**Exercise 1.** Compute it."),
+        nbformat.v4.new_code_cell("# Solution to exercise 1.\nprint(42)", metadata={"tags": ["hide-input"]}),
+        nbformat.v4.new_markdown_cell(
+            "```{admonition} Solution, in words\n:class: dropdown\nIt is $6 \\cdot 7$.\n```\n\n"
+            "**Exercise 2.** Explain it."
+        ),
+        nbformat.v4.new_code_cell("# Solution: the same.\nprint(42)"),
+        nbformat.v4.new_markdown_cell("Because $42 = 2 \\cdot 3 \\cdot 7$.\n\n## What to remember\n\n- 42."),
+    ])
+    nb.cells[1].outputs = [output]
+    before = copy.deepcopy(nb)
+    assert book_tools.solution_problems(nb)  # shown: the checker sees it
+    assert book_tools.hide_solutions(nb)
+    assert book_tools.solution_problems(nb) == []
+    assert [c.metadata.get("tags") for c in nb.cells if c.cell_type == "code"] == [["hide-cell"], ["hide-cell"]]
+    assert [c.outputs for c in nb.cells if c.cell_type == "code"] == [[output], []]
+    assert [c.source for c in nb.cells if c.cell_type == "code"] == [c.source for c in before.cells if c.cell_type == "code"]
+    assert nb.cells[2].source == (
+        '<details class="solution">\n<summary>Solution, in words</summary>\n\nIt is $6 \\cdot 7$.\n\n</details>\n\n'
+        "**Exercise 2.** Explain it."
+    )
+    assert nb.cells[4].source.startswith(
+        '<details class="solution">\n<summary>Solution to exercise 2, in words</summary>\n\nBecause'
+    ) and nb.cells[4].source.endswith("</details>\n\n## What to remember\n\n- 42.")
+    assert nb.cells[0].source == before.cells[0].source
+    again = copy.deepcopy(nb)
+    assert book_tools.hide_solutions(again) == [] and again == nb  # idempotent
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_every_chapter_has_exercises(path):
+    # DESIGN: every chapter ends with exercises whose worked solutions run like any other cell.
+    text = "".join("".join(c["source"]) for c in _load(path)["cells"] if c["cell_type"] == "markdown")
+    assert re.search(r"^\*\*Exercise 1\.\*\*", text, re.M), f"{path.name} has no exercises"
