@@ -20,6 +20,39 @@ COLAB_MARKER = 'importlib.util.find_spec("companion") is None'
 LEGACY_COLAB_MARKERS = ('"google.colab" in sys.modules',)
 
 
+#: The widest line of code or text output a chapter may have: what the book shows, without
+#: scrolling, in a code block at a window 1280 px wide (book/_static/companion.css widens
+#: code blocks to it; tests/test_browser.py measures it, tests/test_book.py counts it).
+CODE_WIDTH = 88
+#: The longest visible code cell, in lines; longer cells are exceptions listed in
+#: tests/test_book.py until they shrink (a plot or drawing goes behind `hide-input`).
+CODE_CELL_LINES = 25
+
+
+def shown_text_lines(cell: dict) -> list[tuple[str, str]]:
+    """(where, line) for every line the book shows of a code cell in a monospace block.
+
+    Its source (unless hidden by `remove-input`/`remove-cell`), its stdout, and each
+    result shown as text (a result that has an HTML or image form is shown as that).
+    """
+    tags = set(cell.get("metadata", {}).get("tags", []))
+    if cell.get("cell_type") != "code" or "remove-cell" in tags:
+        return []
+    lines = [] if "remove-input" in tags else [("source", line) for line in "".join(cell["source"]).splitlines()]
+    if "remove-output" in tags:
+        return lines
+    for output in cell.get("outputs", []):
+        if output["output_type"] == "stream" and output.get("name") == "stdout":
+            lines += [("stdout", line) for line in "".join(output["text"]).splitlines()]
+        elif output["output_type"] in ("execute_result", "display_data"):
+            data = output.get("data", {})
+            if "text/plain" in data and not any(k == "text/html" or k.startswith("image/") for k in data):
+                lines += [("result", line) for line in "".join(data["text/plain"]).splitlines()]
+        elif output["output_type"] == "error":
+            lines += [("error", line) for line in f"{output['ename']}: {output['evalue']}".splitlines()]
+    return lines
+
+
 def package_version() -> str:
     """``companion.__version__``, read from its single source without importing TensorFlow."""
     text = (ROOT / "companion" / "_version.py").read_text()
