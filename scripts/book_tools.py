@@ -233,8 +233,9 @@ def changelog_entry(version: str, changelog: str | None = None) -> str:
 # has one, its explanation: the markdown that follows them up to the next exercise or
 # heading. A solution is hidden whole until the reader opens it:
 #
-# - its code cells carry the tag `hide-cell` (the book shows a collapsed "show code cell
-#   content" toggle for the code and its output together; nbval and Colab run it as usual);
+# - its code cells carry the tag `hide-cell` (the book shows one collapsed toggle for the
+#   code and its output together, labelled "Solution to exercise N: show the code and its
+#   output" through myst-nb's cell metadata; nbval and Colab run the cell as usual);
 # - its explanation is wrapped in `<details class="solution"><summary>...</summary>`, which
 #   the book (MyST passes the HTML through; book/_static/companion.css styles it), Jupyter
 #   and Colab all show collapsed, with the markdown and math inside rendered when opened.
@@ -321,6 +322,15 @@ def hide_solutions(nb: dict) -> list[str]:
                 if new != tags:
                     cell["metadata"]["tags"] = new
                     changes.append(f"code cell {index}: tags {tags} -> {new}")
+                number = _exercise_number(cells, index)
+                name = f"Solution to exercise {number}" if number else "Solution"
+                # The toggle's label in the book (myst-nb's cell-level code_prompt_show/hide).
+                prompts = {"code_prompt_show": f"{name}: show the code and its output",
+                           "code_prompt_hide": f"{name}: hide"}
+                mystnb = cell["metadata"].get("mystnb", {})
+                if any(mystnb.get(key) != value for key, value in prompts.items()):
+                    cell["metadata"]["mystnb"] = {**mystnb, **prompts}
+                    changes.append(f"code cell {index}: toggle labelled {prompts['code_prompt_show']!r}")
             continue
         if cell["cell_type"] != "markdown":
             continue

@@ -223,6 +223,8 @@ def test_hide_solutions_hides_code_output_and_text_and_changes_nothing_else():
     assert book_tools.solution_problems(nb) == []
     assert [c.metadata.get("tags") for c in nb.cells if c.cell_type == "code"] == [["hide-cell"], ["hide-cell"]]
     assert [c.outputs for c in nb.cells if c.cell_type == "code"] == [[output], []]
+    assert nb.cells[1].metadata["mystnb"]["code_prompt_show"] == "Solution to exercise 1: show the code and its output"
+    assert nb.cells[3].metadata["mystnb"]["code_prompt_show"] == "Solution to exercise 2: show the code and its output"
     assert [c.source for c in nb.cells if c.cell_type == "code"] == [c.source for c in before.cells if c.cell_type == "code"]
     assert nb.cells[2].source == (
         '<details class="solution">\n<summary>Solution, in words</summary>\n\nIt is $6 \\cdot 7$.\n\n</details>\n\n'
