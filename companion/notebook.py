@@ -70,12 +70,15 @@ def setup(seed: int = 0, *, deterministic: bool | None = None, perturb_ulp: bool
     here and fails on a reader's machine. ``perturb_ulp=True`` (or the environment
     variable ``COMPANION_PERTURB_ULP=1`` when ``perturb_ulp`` is ``None``) makes that
     class of defect visible on one machine: every floating-point ``tf.Variable`` created
-    afterwards in this thread (so every Keras weight, optimizer slot and metric, and every
-    ``tf.Variable`` of a chapter) starts with each finite, non-zero element moved to the
+    afterwards in this thread (every Keras weight, optimizer slot and metric, and every
+    ``tf.Variable`` made from a computed value) starts with each finite, non-zero element moved to the
     neighbouring float, up or down at random (seeded by ``seed``, so the perturbed run is
-    itself reproducible). Exact zeros, infinities and NaNs, integer variables, values
-    restored from a checkpoint and variables created under a ``tf.distribute`` strategy
-    (whose replicas must stay equal) are left as they are. A one-ulp change is what a
+    itself reproducible). Left as they are: exact zeros, infinities and NaNs; integer
+    variables; a variable made from a Python number or a list of them
+    (``tf.Variable(1.0)``: what the author typed, the same on every CPU and often exactly
+    the point a chapter studies; its initial value computed by TensorFlow or NumPy is
+    moved); values restored from a checkpoint; and variables created under a
+    ``tf.distribute`` strategy (whose replicas must stay equal). A one-ulp change is what a
     different rounding of the first sum does; a printed digit that survives it survives
     the reader's CPU. ``setup`` without it (the default) creates variables untouched. It
     uses the public ``tf.variable_creator_scope``; call ``setup`` outside any
@@ -190,6 +193,19 @@ def _one_ulp_away(value, seed: int, index: int, dtype=None):
     return tf.where(tf.math.is_finite(value) & tf.not_equal(value, 0), moved, value)
 
 
+def _is_typed_literal(value) -> bool:
+    """Whether ``value`` is a Python number or a (nested) list or tuple of them.
+
+    Such a value is what the author typed (``tf.Variable(1.5)``, ``tf.Variable([3.0, 4.0])``):
+    the same on every CPU, often placed exactly on the point a chapter is about (b = 1,
+    x = -50), so the perturbation leaves it. Values computed by TensorFlow or NumPy
+    (initialisers, random draws, arrays) are what another CPU may round differently.
+    """
+    if isinstance(value, (bool, int, float)):
+        return True
+    return isinstance(value, (list, tuple)) and len(value) > 0 and all(_is_typed_literal(v) for v in value)
+
+
 def _perturbing_creator(next_creator, **kwargs):
     import tensorflow as tf
 
@@ -197,7 +213,13 @@ def _perturbing_creator(next_creator, **kwargs):
 
     seed = _perturbation["seed"]
     initial = kwargs.get("initial_value")
-    if seed is None or initial is None or tf.distribute.has_strategy() or _tf_internals.is_checkpoint_restore(initial):
+    if (
+        seed is None
+        or initial is None
+        or _is_typed_literal(initial)
+        or tf.distribute.has_strategy()
+        or _tf_internals.is_checkpoint_restore(initial)
+    ):
         return next_creator(**kwargs)
     index = _perturbation["count"]
     _perturbation["count"] = index + 1
@@ -389,7 +411,8 @@ def html_table(
         ValueError: if rows differ in length, or the header has another length.
 
     Example:
-        >>> table = html_table([["tf.pow", float("nan")], ["safe_pow", 0.25]], ["power", "d/dx"])
+        >>> rows = [["tf.pow", float("nan")], ["safe_pow", 0.25]]
+        >>> table = html_table(rows, ["power", "d/dx"])
         >>> print(repr(table))
            power  d/dx
         --------  ----

@@ -198,6 +198,7 @@ def _fresh_variables() -> dict[str, np.ndarray]:
         "embeddings": embedding.embeddings.numpy(),
         "tf.Variable": tf.Variable(tf.random.normal([64])).numpy(),
         "tf.Variable(callable)": tf.Variable(lambda: tf.fill([3], 1.5)).numpy(),
+        "tf.Variable(numpy)": tf.Variable(np.linspace(0.5, 2.0, 7, dtype=np.float32)).numpy(),
         "learning rate": np.asarray(optimizer.learning_rate.numpy()),
     }
 
@@ -256,7 +257,19 @@ def test_the_perturbed_run_is_itself_reproducible(no_perturb_env):
 def test_the_environment_variable_turns_it_on_unless_the_argument_says(monkeypatch, value, switch, perturbed):
     monkeypatch.setenv(PERTURB_ULP_ENV, value)
     setup(seed=0, perturb_ulp=switch)
-    assert float(tf.Variable(1.0).numpy()) != 1.0 if perturbed else float(tf.Variable(1.0).numpy()) == 1.0
+    moved = float(tf.Variable(tf.constant(1.0)).numpy()) != 1.0
+    assert moved is perturbed
+
+
+def test_a_value_the_author_typed_is_not_moved(no_perturb_env):
+    # tf.Variable(1.0) or ([3.0, 4.0]) is the same on every CPU, and often the very point a
+    # chapter studies (b = 1, where x^b turns NaN below); what TensorFlow computes is moved.
+    setup(seed=0, perturb_ulp=True)
+    assert float(tf.Variable(1.0).numpy()) == 1.0 and float(tf.Variable(-50.0).numpy()) == -50.0
+    assert tf.Variable([3.0, 4.0]).numpy().tolist() == [3.0, 4.0]
+    assert tf.Variable([[0.5], [2.0]]).numpy().tolist() == [[0.5], [2.0]]
+    assert float(tf.Variable(tf.constant(1.0)).numpy()) != 1.0
+    assert float(tf.Variable(np.float32(1.0)).numpy()) != 1.0
 
 
 def test_a_bad_environment_value_or_argument_is_rejected(monkeypatch):
@@ -279,15 +292,15 @@ def test_every_float_dtype_moves_to_a_neighbouring_float_and_special_values_stay
     assert set(np.abs(step[:finite]).tolist()) == {1}, step
     assert np.isfinite(tf.cast(moved, tf.float64).numpy()[:finite]).all()  # not past the largest float
     assert (step[finite:] == 0).all(), "a zero, an infinity or a NaN moved"
-    assert tf.Variable(7).numpy() == 7 and tf.Variable([True]).numpy().all()  # integers and booleans as they are
+    assert tf.Variable(tf.constant(7)).numpy() == 7 and tf.Variable(tf.constant([True])).numpy().all()  # as they are
 
 
 def test_variables_under_a_strategy_and_restored_values_are_not_moved(no_perturb_env, tmp_path):
     setup(seed=0, perturb_ulp=True)
     with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
-        assert float(tf.Variable(1.0).numpy()) == 1.0
-    saved = tf.Variable([0.1, 0.2, 0.3])
+        assert float(tf.Variable(tf.constant(1.0)).numpy()) == 1.0
+    saved = tf.Variable(tf.constant([0.1, 0.2, 0.3]))
     path = tf.train.Checkpoint(v=saved).save(str(tmp_path / "ckpt"))
-    fresh = tf.Variable([0.0, 0.0, 0.0])
+    fresh = tf.Variable(tf.constant([0.5, 0.5, 0.5]))
     tf.train.Checkpoint(v=fresh).restore(path).assert_consumed()
     np.testing.assert_array_equal(fresh.numpy(), saved.numpy())  # bit for bit, the checkpoint's value
