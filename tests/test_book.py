@@ -330,3 +330,14 @@ def test_no_visible_code_cell_is_longer_than_the_limit():
     problems += [f"{chapter} has no visible cell {cell_id} any more: take it off LONG_CELL_EXCEPTIONS"
                  for chapter, cell_id in gone]
     assert not problems, "\n".join(problems)
+
+
+def test_refreshed_outputs_are_never_made_with_the_ulp_perturbation(monkeypatch):
+    import os
+
+    import refresh_notebooks
+
+    monkeypatch.setenv("COMPANION_PERTURB_ULP", "1")
+    refresh_notebooks.prepare_kernel_environment()
+    assert "COMPANION_PERTURB_ULP" not in os.environ
+    assert os.environ["PYTHONHASHSEED"] == "0"
