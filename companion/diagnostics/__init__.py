@@ -20,10 +20,16 @@ The package, one idea per module: ``gradients`` (per-variable records), ``trace`
 
 from __future__ import annotations
 
+from companion.diagnostics.causes import CAUSES, Cause
+from companion.diagnostics.doctor import Diagnosis, diagnose
 from companion.diagnostics.gradients import GradientRecord, GradientReport, nonfinite_gradients
 from companion.diagnostics.locate import NonFiniteLocation, locate_nonfinite
 
 __all__ = [
+    "CAUSES",
+    "Cause",
+    "Diagnosis",
+    "diagnose",
     "GradientRecord",
     "GradientReport",
     "NonFiniteLocation",

@@ -90,7 +90,7 @@ class OpEvent:
     @property
     def backward(self) -> bool:
         """Whether the op ran while the tape differentiated (a gradient op)."""
-        return self.forward_type is not None
+        return self.forward_type is not None or self.record.stage == "backward"
 
 
 def _numeric(value) -> np.ndarray | None:
@@ -129,6 +129,7 @@ class OpTracer:
         self._by_type: dict[str, list[OpRecord]] = {}
         self._alive: list[Any] = []  # keeps traced tensors alive, so their ids stay unique
         self._count = 0
+        self.masked_selects: list[OpRecord] = []
         self.stopped = False
         self._thread = threading.get_ident()
 
@@ -157,6 +158,10 @@ class OpTracer:
             nonfinite=nonfinite,
         )
         forward = None
+        if backprop is None and op_type in ("Select", "SelectV2") and not nonfinite:
+            branches = record.inputs[1:3]
+            if any(v is not None and v.size and nonfinite_mask(v).any() for v in branches):
+                self.masked_selects.append(record)  # a tf.where that drops a NaN/Inf
         if backprop is None:
             self._alive.extend(outputs)
             for tensor in outputs:
