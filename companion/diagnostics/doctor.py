@@ -65,6 +65,8 @@ class Diagnosis:
         symptom: ``"non-finite loss"`` or ``"finite loss, non-finite gradients"``
             (in the mode that found the batch).
         code: the text of the ``source`` line.
+        worker: in a multi-worker :func:`companion.training.train` run, the index of
+            the worker whose shard made the NaN; else ``None``.
     """
 
     batch: int | None
@@ -82,6 +84,17 @@ class Diagnosis:
     mode_disagreement: str | None = None
     symptom: str = ""
     code: str | None = None
+    worker: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-compatible dict (the training checkpoint stores it)."""
+        return {**dataclasses.asdict(self), "variables": list(self.variables)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Diagnosis":
+        """Inverse of :meth:`to_dict`."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{**{k: v for k, v in data.items() if k in names}, "variables": tuple(data["variables"])})
 
     @property
     def description(self) -> str:
