@@ -342,14 +342,25 @@ def _compiled_step(model, loss_fn, jit):
     return step
 
 
+def _leaves(structure, path: str = ""):
+    """``(path, leaf)`` pairs of a nest of dicts, lists and tuples."""
+    if isinstance(structure, dict):
+        for key in sorted(structure):
+            yield from _leaves(structure[key], f"{path}/{key}" if path else str(key))
+    elif isinstance(structure, (list, tuple)):
+        for index, item in enumerate(structure):
+            yield from _leaves(item, f"{path}/{index}" if path else str(index))
+    else:
+        yield path, structure
+
+
 def _nonfinite_data(batch) -> list[tuple[str, np.ndarray]]:
     """The non-finite parts of a batch: ``[("x", array), ...]``."""
     found = []
     for label, part in zip(("x", "y", "sample_weight"), batch):
         if part is None:
             continue
-        paths = tf.nest.flatten_with_joined_string_paths(part) if not isinstance(part, (np.ndarray, tf.Tensor)) else [("", part)]
-        for path, value in paths:
+        for path, value in _leaves(part):
             array = np.asarray(value)
             if array.dtype.kind in "fc" or array.dtype.kind == "V":
                 if nonfinite_mask(array).any():

@@ -50,7 +50,7 @@ def diagnose_skipped_step(run: Any, step: int) -> Diagnosis | None:
         position = step - sum(run.history.epoch_steps)
         found = None
         for replica, part in _local_batches(run, position):
-            found = diagnose(run.model, [part], jit_compile=False)
+            found = diagnose(run.model, iter([part]), jit_compile=False)
             if found is not None:
                 found = _with_replica(found, run, replica, position)
                 break
@@ -60,7 +60,7 @@ def diagnose_skipped_step(run: Any, step: int) -> Diagnosis | None:
             # The batch may have moved (a reshuffling pipeline): scan the epoch.
             found = diagnose(run.model, _flat(run), jit_compile=False, max_batches=max(position + 1, 1) * 2)
         if found is not None and run.verbose:
-            print(f"companion.training: step {step} skipped; the NaN doctor says:\n{found}", flush=True)
+            print(f"\ncompanion.training: step {step} skipped; the NaN doctor says:\n{found}", flush=True)
         return found
     except Exception as error:  # pragma: no cover - the doctor must never stop training
         warnings.warn(f"the NaN doctor could not diagnose step {step}: {error!r}", RuntimeWarning, stacklevel=2)
