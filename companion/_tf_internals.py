@@ -385,6 +385,18 @@ def backprop_forward_op(frame) -> dict[str, Any] | None:
     return None
 
 
+def in_backprop(frame) -> bool:
+    """Whether ``frame`` (or a caller) runs inside eager ``GradientTape.gradient``."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "imperative_grad" and code.co_filename.endswith("imperative_grad.py"):
+            return True
+        if code.co_name == "gradient" and code.co_filename.endswith("backprop.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 # --------------------------------------------------------------------------------------
 # 8b. The arguments of the running ``model.fit`` (companion.diagnostics.NaNDoctor)
 # --------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from companion.diagnostics.callback import NaNDoctor
 from companion.diagnostics.causes import CAUSES, Cause
-from companion.diagnostics.doctor import Diagnosis, diagnose
+from companion.diagnostics.doctor import Diagnosis, diagnose, diagnose_function
 from companion.diagnostics.gradients import GradientRecord, GradientReport, nonfinite_gradients
 from companion.diagnostics.locate import NonFiniteLocation, locate_nonfinite
 
@@ -31,6 +31,7 @@ __all__ = [
     "Cause",
     "Diagnosis",
     "diagnose",
+    "diagnose_function",
     "GradientRecord",
     "GradientReport",
     "NaNDoctor",

@@ -33,7 +33,7 @@ from companion.diagnostics.sources import source_text
 from companion.diagnostics.trace import OpTracer, eager_trace, nonfinite_mask
 from companion.losses import mean_loss, resolve_loss
 
-__all__ = ["Diagnosis", "diagnose"]
+__all__ = ["Diagnosis", "diagnose", "diagnose_function"]
 
 PHASES = ("input", "weights", "forward", "loss", "backward")
 
@@ -497,6 +497,10 @@ def _diagnose_batch(model, loss_fn, index, x, y_true, weights, compiled, jit, fa
             cause="unclassified", fix=cause.fix, section=cause.section, mode_disagreement=disagreement,
             symptom=_symptom({"loss": not loss_finite}),
         )
+    return _from_event(event, tracer, index, tuple(bad_variables), disagreement, loss_finite, losses_before)
+
+
+def _from_event(event, tracer, index, variables, disagreement, loss_finite, losses_before) -> Diagnosis:
     name, summary = classify(event, tracer.masked_selects, loss_finite=loss_finite)
     if name in ("overflow", "inf_arithmetic", "unclassified") and grew(list(losses_before)):
         name = "divergence"
@@ -519,7 +523,7 @@ def _diagnose_batch(model, loss_fn, index, x, y_true, weights, compiled, jit, fa
         forward_op=event.forward_type,
         layer=where.layer,
         source=f"{where.filename}:{where.lineno}" if where.filename else None,
-        variables=tuple(bad_variables),
+        variables=tuple(variables),
         dtype=dtype_name(value),
         inputs_summary=summary,
         cause=name,
@@ -529,3 +533,62 @@ def _diagnose_batch(model, loss_fn, index, x, y_true, weights, compiled, jit, fa
         symptom=_symptom({"loss": not loss_finite}),
         code=source_text(where.filename, where.lineno),
     )
+
+
+# --------------------------------------------------------------------------------------
+# diagnose_function: the same for a custom training step
+# --------------------------------------------------------------------------------------
+
+
+def diagnose_function(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Diagnosis | None:
+    """Run a custom training step op by op and diagnose its first harmful NaN or Inf.
+
+    For custom loops (eager, ``tf.function``, ``jit_compile=True``: every function runs
+    op by op here). Unlike :func:`~companion.diagnostics.locate_nonfinite`, which stops
+    at the first non-finite op, ``fn`` runs to its end, so a NaN that a ``tf.where``
+    drops in the forward pass is told apart from one that reaches the loss: if every
+    non-finite forward value was dropped by a ``tf.where`` (or none appeared), the
+    culprit is the first non-finite op of the backward pass; else the first forward
+    one. The fields are those of :func:`diagnose`, with ``batch=None`` and the
+    variables unnamed (``fn`` owns them).
+
+    Args:
+        fn: the step, e.g. a function that runs the model and ``tape.gradient``.
+        *args: positional arguments for ``fn``.
+        **kwargs: keyword arguments for ``fn``.
+
+    Returns:
+        A :class:`Diagnosis`, or ``None`` if no op output was non-finite.
+
+    Raises:
+        TypeError: if ``fn`` is not callable.
+
+    Example:
+        >>> w = tf.Variable(1.0)
+        >>> def step(x):
+        ...     with tf.GradientTape() as tape:
+        ...         loss = tf.reduce_sum(tf.sqrt(w * x))
+        ...     return tape.gradient(loss, w)
+        >>> d = diagnose_function(tf.function(step, jit_compile=True), tf.constant([0.0, 4.0]))
+        >>> d.phase, d.op, d.forward_op, d.cause
+        ('backward', 'SqrtGrad', 'Sqrt', 'singular_derivative')
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__} {fn!r}")
+    tracer = OpTracer()
+    tf_filtering = tf.debugging.is_traceback_filtering_enabled()
+    try:
+        tf.debugging.disable_traceback_filtering()
+        with eager_trace(tracer):
+            fn(*args, **kwargs)
+    finally:
+        if tf_filtering:
+            tf.debugging.enable_traceback_filtering()
+    if not tracer.events:
+        return None
+    forward = [e for e in tracer.events if not e.backward]
+    backward = tracer.first(backward=True)
+    masked = bool(tracer.masked_selects)
+    event = backward if backward is not None and (not forward or masked) else (forward[0] if forward else backward)
+    loss_finite = event.backward
+    return _from_event(event, tracer, index=None, variables=(), disagreement=None, loss_finite=loss_finite, losses_before=())
