@@ -45,7 +45,8 @@ class NaNDoctor(keras.callbacks.Callback):
     Attributes:
         diagnosis: the :class:`Diagnosis`, or ``None`` (nothing non-finite yet, or the
             NaN did not reproduce).
-        batch: ``(epoch, batch)`` of ``fit`` at which the loss turned non-finite.
+        batch: ``(epoch, batch)`` of ``fit``'s step that made the first non-finite
+            loss or weight.
 
     Example:
         >>> keras.utils.set_random_seed(0)

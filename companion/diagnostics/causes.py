@@ -73,7 +73,7 @@ CAUSES: dict[str, Cause] = {
     "pow_negative_base": Cause(
         "a power x**p of a negative base: NaN for a non-integer p, and log(x) = NaN in "
         "the gradient with respect to p",
-        "companion.numerics.signed_pow (sign(x)*|x|**p) or safe_pow; keep the base "
+        "companion.numerics.signed_pow (sign(x) * abs(x)**p) or safe_pow; keep the base "
         "positive (softplus, exp) if it must be",
         "book/case_a/log_exp_power#what-tf-pow-s-gradient-does-at-0-and-below",
     ),

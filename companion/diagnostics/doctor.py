@@ -185,7 +185,7 @@ def _loss_function(model, loss) -> Callable:
             return value
 
         return given
-    if getattr(model, "compiled", False) or getattr(model, "compiled_loss", None) is not None:
+    if getattr(model, "compiled", False) and getattr(model, "loss", None) is not None:
         accepts_training = "training" in inspect.signature(model.compute_loss).parameters
 
         def compiled(x, y, y_pred, sample_weight):
@@ -193,7 +193,9 @@ def _loss_function(model, loss) -> Callable:
             return model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, **kwargs)
 
         return compiled
-    raise ValueError("the model is not compiled: pass loss= (a Keras loss name, a Loss or a callable)")
+    raise ValueError(
+        "the model is not compiled with a loss: pass loss= (a Keras loss name, a Loss or a callable)"
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -213,6 +215,7 @@ def diagnose(
     skip_batches: int = 0,
     jit_compile: bool | None = None,
     losses_before: Sequence[float] = (),
+    eager_fallback: bool = True,
 ) -> Diagnosis | None:
     """Find the first batch whose loss or gradients are not finite, and say why.
 
@@ -244,6 +247,9 @@ def diagnose(
             non-finite is found with XLA, the batches are scanned again without it.
         losses_before: losses of the steps before (e.g. from ``History``): if they grew
             step after step, an overflow is reported as ``"divergence"``.
+        eager_fallback: if no batch is non-finite in the compiled step, scan once more
+            with the step run eagerly (op by op, as a custom eager loop runs it): some
+            NaNs appear only there, and the diagnosis then says so.
 
     Returns:
         A :class:`Diagnosis`, or ``None`` if every batch's loss and gradients are
@@ -272,17 +278,37 @@ def diagnose(
     loss_fn = _loss_function(model, loss)
     if jit_compile is None:
         jit_compile = bool(getattr(model, "jit_compile", False)) if getattr(model, "compiled", False) else False
-    found = _scan(model, data, loss_fn, y, sample_weight, batch_size, max_batches, skip_batches, jit_compile)
+    if hasattr(data, "__next__"):  # an iterator or generator: keep what it yields for the re-scans
+        data = _Replay(data)
+    scan = (model, data, loss_fn, y, sample_weight, batch_size, max_batches, skip_batches)
+    found = _scan(*scan, jit_compile)
     fallback = None
     if found is None and jit_compile:
         fallback = "XLA"
-        found = _scan(model, data, loss_fn, y, sample_weight, batch_size, max_batches, skip_batches, False)
+        found = _scan(*scan, False)
+    if found is None and eager_fallback:
+        fallback = "graph"
+        found = _scan(*scan, None)
     if found is None:
         return None
     index, (x, y_true, weights), compiled = found
     return _diagnose_batch(
         model, loss_fn, index, x, y_true, weights, compiled, jit_compile, fallback, tuple(losses_before)
     )
+
+
+class _Replay:
+    """An iterator that can be iterated again: it keeps the batches it has yielded."""
+
+    def __init__(self, source) -> None:
+        self._source = source
+        self._seen: list = []
+
+    def __iter__(self):
+        yield from self._seen
+        for batch in self._source:
+            self._seen.append(batch)
+            yield batch
 
 
 def _state(model):
@@ -328,9 +354,9 @@ def _scan(model, data, loss_fn, y, sample_weight, batch_size, max_batches, skip,
 
 
 def _compiled_step(model, loss_fn, jit):
+    """The scanning step: XLA (``jit=True``), a plain graph (``False``) or eager (``None``)."""
     variables = list(model.trainable_variables)
 
-    @tf.function(jit_compile=jit, reduce_retracing=True)
     def step(x, y_true, weights):
         with tf.GradientTape() as tape:
             y_pred = model(x, training=True)
@@ -339,7 +365,9 @@ def _compiled_step(model, loss_fn, jit):
         flags = [tf.constant(True) if g is None else all_finite([g]) for g in grads]
         return tf.reduce_all(tf.math.is_finite(tf.cast(value, tf.float32))), tf.stack(flags) if flags else tf.ones([0], tf.bool)
 
-    return step
+    if jit is None:
+        return step
+    return tf.function(step, jit_compile=jit, reduce_retracing=True)
 
 
 def _leaves(structure, path: str = ""):
@@ -460,10 +488,15 @@ def _diagnose_batch(model, loss_fn, index, x, y_true, weights, compiled, jit, fa
     tracer, loss_finite, bad_variables = rerun(model, loss_fn, x, y_true, weights)
     eager_nonfinite = (not loss_finite) or bool(bad_variables)
     disagreement = None
-    if fallback is not None:
+    if fallback == "XLA":
         disagreement = (
             f"the XLA-compiled step is finite on batch {index}; the step without XLA and the op-by-op "
             "re-run are not (XLA rewrites this computation: with jit_compile=False the NaN appears)"
+        )
+    elif fallback == "graph":
+        disagreement = (
+            f"the compiled step ({'XLA and ' if jit else ''}graph) is finite on batch {index}; run "
+            "eagerly, op by op (as a custom eager loop runs it), it is not"
         )
     if not eager_nonfinite:
         cause = CAUSES["compiled_only"]
@@ -498,6 +531,15 @@ def _diagnose_batch(model, loss_fn, index, x, y_true, weights, compiled, jit, fa
             symptom=_symptom({"loss": not loss_finite}),
         )
     return _from_event(event, tracer, index, tuple(bad_variables), disagreement, loss_finite, losses_before)
+
+
+def _all_finite_results(result) -> bool:
+    """Whether ``result`` holds float tensors and every one of them is finite."""
+    values = [gradient_values(v) for v in tf.nest.flatten(result) if isinstance(v, (tf.Tensor, tf.IndexedSlices))]
+    values = [v for v in values if v.dtype.is_floating or v.dtype.is_complex]
+    if not values:
+        return False
+    return all(not nonfinite_mask(np.asarray(v.numpy())).any() for v in values)
 
 
 def _from_event(event, tracer, index, variables, disagreement, loss_finite, losses_before) -> Diagnosis:
@@ -549,8 +591,10 @@ def diagnose_function(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Diag
     drops in the forward pass is told apart from one that reaches the loss: if every
     non-finite forward value was dropped by a ``tf.where`` (or none appeared), the
     culprit is the first non-finite op of the backward pass; else the first forward
-    one. The fields are those of :func:`diagnose`, with ``batch=None`` and the
-    variables unnamed (``fn`` owns them).
+    one. If ``fn`` returns tensors (its loss, its gradients) and all of them are finite,
+    the non-finite values on the way were harmless and the result is ``None``. The
+    fields are those of :func:`diagnose`, with ``batch=None`` and the variables unnamed
+    (``fn`` owns them).
 
     Args:
         fn: the step, e.g. a function that runs the model and ``tape.gradient``.
@@ -558,7 +602,8 @@ def diagnose_function(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Diag
         **kwargs: keyword arguments for ``fn``.
 
     Returns:
-        A :class:`Diagnosis`, or ``None`` if no op output was non-finite.
+        A :class:`Diagnosis`, or ``None`` if no op output was non-finite, or if
+        everything ``fn`` returned is finite.
 
     Raises:
         TypeError: if ``fn`` is not callable.
@@ -580,11 +625,11 @@ def diagnose_function(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Diag
     try:
         tf.debugging.disable_traceback_filtering()
         with eager_trace(tracer):
-            fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
     finally:
         if tf_filtering:
             tf.debugging.enable_traceback_filtering()
-    if not tracer.events:
+    if not tracer.events or _all_finite_results(result):
         return None
     forward = [e for e in tracer.events if not e.backward]
     backward = tracer.first(backward=True)
