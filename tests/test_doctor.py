@@ -12,7 +12,6 @@ import pytest
 import tensorflow as tf
 from docutils.nodes import make_id
 
-from companion import _tf_internals
 from companion.diagnostics import (
     CAUSES,
     Diagnosis,
@@ -351,44 +350,3 @@ def test_train_calls_the_doctor_on_no_step_that_is_not_skipped(monkeypatch):
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
     history = train(root_model(), data, loss="mse", optimizer=keras.optimizers.SGD(1e-3), epochs=2, verbose=0)
     assert history.skipped == [] and calls == []
-
-
-# --------------------------------------------------------------------------------------
-# The private hooks the doctor relies on (canaries)
-# --------------------------------------------------------------------------------------
-
-
-def test_eager_backprop_exposes_the_forward_op_and_its_tensors_to_op_callbacks():
-    seen = []
-
-    def callback(op_type, inputs, attrs, outputs, op_name=None, graph=None):
-        import sys
-
-        frame = sys._getframe(1)
-        seen.append((op_type, _tf_internals.backprop_forward_op(frame), _tf_internals.in_backprop(frame)))
-        return outputs
-
-    x = tf.Variable([4.0])
-    with tf.GradientTape() as tape:
-        y = tf.sqrt(x)
-    with _tf_internals.op_callback(callback):
-        tape.gradient(y, x)
-    (op, forward, inside), *_ = [s for s in seen if s[0] in ("SqrtGrad", b"SqrtGrad")]
-    assert forward["op_type"] == "Sqrt" and inside
-    assert any(t is not None and float(t.numpy()[0]) == 2.0 for t in forward["outputs"])
-
-
-def test_keras_fit_is_on_the_stack_of_a_callback_with_its_arguments():
-    found = []
-
-    class Peek(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            import sys
-
-            found.append(_tf_internals.running_fit_arguments(sys._getframe(1)))
-
-    model = root_model()
-    model.compile(loss="mse", optimizer="sgd")
-    x = np.ones((4, 1), "float32")
-    model.fit(x, x, batch_size=2, epochs=1, verbose=0, callbacks=[Peek()])
-    assert found[0]["x"] is x and found[0]["batch_size"] == 2
