@@ -2,7 +2,7 @@
 
 Prints, for a model of about a million parameters (an elementwise sqrt(w x) layer in
 front of a 512 -> 1024 -> 512 -> 1 MLP) on 32 batches of 64 with a NaN gradient in batch
-k = 20 (one input row of 0, where d sqrt(w x) / dw = 0 * inf):
+k = 20 (one input feature of one row 0, where d sqrt(w x) / dw = 0 * inf):
 
 1. the time ``companion.diagnostics.diagnose`` takes from the call to the diagnosis
    (tracing its compiled step, scanning batches 0..k, the op-by-op re-run of batch k),
@@ -73,7 +73,7 @@ def make_data(poisoned: bool) -> tf.data.Dataset:
     x = rng.uniform(0.5, 1.5, size=(BATCH * BATCHES, FEATURES)).astype("float32")
     y = rng.normal(size=(BATCH * BATCHES, 1)).astype("float32")
     if poisoned:
-        x[BAD_BATCH * BATCH + 3] = 0.0
+        x[BAD_BATCH * BATCH + 3, 0] = 0.0  # one feature of one row
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).cache()
 
 

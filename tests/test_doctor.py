@@ -350,3 +350,59 @@ def test_train_calls_the_doctor_on_no_step_that_is_not_skipped(monkeypatch):
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
     history = train(root_model(), data, loss="mse", optimizer=keras.optimizers.SGD(1e-3), epochs=2, verbose=0)
     assert history.skipped == [] and calls == []
+
+
+MIRRORED_SCRIPT = r"""
+import json, os
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+import tensorflow as tf
+
+cpus = tf.config.list_physical_devices("CPU")
+tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+
+import keras
+import numpy as np
+from companion.training import train
+
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+x = np.linspace(1.0, 2.0, 32, dtype="float32")[:, None]
+y = np.ones((32, 1), "float32")
+x[8 + 6] = 0.0  # global batch 8 is split 4 + 4: row 6 of batch 1 goes to replica 1 only
+data = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+
+
+class Root(keras.layers.Layer):
+    def build(self, shape):
+        self.w = self.add_weight(shape=(), initializer="ones", name="w")
+
+    def call(self, x):
+        return tf.sqrt(self.w * x)
+
+
+keras.utils.set_random_seed(0)
+with strategy.scope():
+    model = keras.Sequential([keras.Input((1,)), Root(name="root"), keras.layers.Dense(1)], name="net")
+    optimizer = keras.optimizers.SGD(1e-3)
+history = train(model, data, loss="mse", optimizer=optimizer, strategy=strategy, epochs=1, verbose=0)
+d = history.reports[0].diagnosis
+print("RESULT " + json.dumps({"skipped": history.skipped, "diagnosis": d and d.to_dict()}))
+"""
+
+
+@pytest.mark.slow
+def test_train_under_mirrored_strategy_names_the_replica_whose_shard_made_the_nan():
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONHASHSEED="0")
+    completed = subprocess.run(
+        [sys.executable, "-c", MIRRORED_SCRIPT], capture_output=True, text=True, timeout=300, env=env
+    )
+    lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
+    assert completed.returncode == 0 and lines, completed.stderr[-4000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result["skipped"] == [1]
+    d = result["diagnosis"]
+    assert (d["op"], d["layer"], d["cause"], d["batch"]) == ("SqrtGrad", "net/root", "singular_derivative", 1)
+    assert d["inputs_summary"] == "replica 1: 1 of 4 inputs of Sqrt are exactly 0"
