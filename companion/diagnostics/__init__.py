@@ -5,13 +5,15 @@
   :class:`Diagnosis`: the phase, the op (and, for a gradient op, the forward op it
   differentiates), the layer, the line of user code, the variables, what the op's
   inputs were, the cause (one of :data:`CAUSES`), its fix and the book section.
-* :class:`NaNDoctor` is the same for ``model.fit`` users, as a callback.
+* :class:`NaNDoctor` is the same for ``model.fit`` users, as a callback, and
+  :func:`diagnose_function` for a custom training step (eager, ``tf.function``, XLA).
 * :func:`nonfinite_gradients` says *which variables* receive NaN or Inf gradients on
   one batch.
 * :func:`locate_nonfinite` says *where* the first non-finite value of any function is
   produced, op by op.
 
-The package, one idea per module: ``gradients`` (per-variable records), ``trace``
+The package, one idea per module: ``gradients`` (per-variable records), ``sources``
+(which stack frames are the user's, which layer is running), ``trace``
 (the op-by-op re-run and the map from gradient ops to forward ops), ``locate``,
 ``causes`` (the documented causes and how one is recognised), ``doctor``
 (:func:`diagnose`), ``report`` (text and HTML), ``callback`` (:class:`NaNDoctor`) and

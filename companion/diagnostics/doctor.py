@@ -139,7 +139,8 @@ def batches(data, y=None, sample_weight=None, batch_size=None) -> Iterator[tuple
         for index in range(len(data)):
             yield _unpack(data[index])
         return
-    if y is None and sample_weight is None and isinstance(data, tuple) and 1 <= len(data) <= 3 and _is_array_like(data):
+    as_tuple = isinstance(data, tuple) and 1 <= len(data) <= 3
+    if y is None and sample_weight is None and as_tuple and _is_array_like(data):
         data, y, sample_weight = (tuple(data) + (None, None))[:3]
     elif not _is_array_like(data):
         if not hasattr(data, "__iter__"):
@@ -363,7 +364,8 @@ def _compiled_step(model, loss_fn, jit):
             value = loss_fn(x, y_true, y_pred, weights)
         grads = tape.gradient(value, variables)
         flags = [tf.constant(True) if g is None else all_finite([g]) for g in grads]
-        return tf.reduce_all(tf.math.is_finite(tf.cast(value, tf.float32))), tf.stack(flags) if flags else tf.ones([0], tf.bool)
+        finite = tf.reduce_all(tf.math.is_finite(tf.cast(value, tf.float32)))
+        return finite, tf.stack(flags) if flags else tf.ones([0], tf.bool)
 
     if jit is None:
         return step
@@ -635,5 +637,6 @@ def diagnose_function(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Diag
     backward = tracer.first(backward=True)
     masked = bool(tracer.masked_selects)
     event = backward if backward is not None and (not forward or masked) else (forward[0] if forward else backward)
-    loss_finite = event.backward
-    return _from_event(event, tracer, index=None, variables=(), disagreement=None, loss_finite=loss_finite, losses_before=())
+    return _from_event(
+        event, tracer, index=None, variables=(), disagreement=None, loss_finite=event.backward, losses_before=()
+    )
