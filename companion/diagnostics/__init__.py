@@ -15,16 +15,19 @@
 The package, one idea per module: ``gradients`` (per-variable records), ``sources``
 (which stack frames are the user's, which layer is running), ``trace``
 (the op-by-op re-run and the map from gradient ops to forward ops), ``locate``,
-``causes`` (the documented causes and how one is recognised), ``doctor``
-(:func:`diagnose`), ``report`` (text and HTML), ``callback`` (:class:`NaNDoctor`) and
-``hooks`` (the diagnosis of the first step :func:`companion.training.train` skips).
+``causes`` (the documented causes and how one is recognised), ``data`` (data as
+``fit`` takes it), ``doctor`` (:func:`diagnose`), ``function``
+(:func:`diagnose_function`), ``report`` (text and HTML), ``callback``
+(:class:`NaNDoctor`) and ``hooks`` (the diagnosis of the first step
+:func:`companion.training.train` skips).
 """
 
 from __future__ import annotations
 
 from companion.diagnostics.callback import NaNDoctor
 from companion.diagnostics.causes import CAUSES, Cause
-from companion.diagnostics.doctor import Diagnosis, diagnose, diagnose_function
+from companion.diagnostics.doctor import Diagnosis, diagnose
+from companion.diagnostics.function import diagnose_function
 from companion.diagnostics.gradients import GradientRecord, GradientReport, nonfinite_gradients
 from companion.diagnostics.locate import NonFiniteLocation, locate_nonfinite
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import keras
 import numpy as np
@@ -27,13 +27,14 @@ import tensorflow as tf
 from companion._gradients import all_finite, gradient_values
 from companion.diagnostics import report
 from companion.diagnostics.causes import CAUSES, classify, grew
+from companion.diagnostics.data import Replay, batches, nonfinite_data
 from companion.diagnostics.gradients import _variable_path
 from companion.diagnostics.locate import dtype_name
 from companion.diagnostics.sources import source_text
 from companion.diagnostics.trace import OpTracer, eager_trace, nonfinite_mask
 from companion.losses import mean_loss, resolve_loss
 
-__all__ = ["Diagnosis", "diagnose", "diagnose_function"]
+__all__ = ["Diagnosis", "diagnose"]
 
 PHASES = ("input", "weights", "forward", "loss", "backward")
 
@@ -106,64 +107,6 @@ class Diagnosis:
 
     def _repr_html_(self) -> str:
         return report.html(self)
-
-
-# --------------------------------------------------------------------------------------
-# Data as fit takes it
-# --------------------------------------------------------------------------------------
-
-
-def _unpack(batch) -> tuple[Any, Any, Any]:
-    if isinstance(batch, list):
-        batch = tuple(batch)
-    return keras.utils.unpack_x_y_sample_weight(batch)
-
-
-def _is_array_like(value) -> bool:
-    if isinstance(value, (np.ndarray, tf.Tensor)) or hasattr(value, "__array__"):
-        return True
-    if isinstance(value, dict):
-        return all(_is_array_like(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return bool(value) and all(_is_array_like(v) for v in value)
-    return False
-
-
-def batches(data, y=None, sample_weight=None, batch_size=None) -> Iterator[tuple[Any, Any, Any]]:
-    """``(x, y, sample_weight)`` batches of ``data`` in ``fit``'s order, unshuffled."""
-    if isinstance(data, tf.data.Dataset):
-        for batch in data:
-            yield _unpack(batch)
-        return
-    if isinstance(data, keras.utils.PyDataset):
-        for index in range(len(data)):
-            yield _unpack(data[index])
-        return
-    as_tuple = isinstance(data, tuple) and 1 <= len(data) <= 3
-    if y is None and sample_weight is None and as_tuple and _is_array_like(data):
-        data, y, sample_weight = (tuple(data) + (None, None))[:3]
-    elif not _is_array_like(data):
-        if not hasattr(data, "__iter__"):
-            raise TypeError(
-                "data must be a tf.data.Dataset, a keras PyDataset, arrays (x, y[, sample_weight]) or an "
-                f"iterable of batches, got {type(data).__name__}"
-            )
-        for batch in data:
-            yield _unpack(batch)
-        return
-    arrays = (data, y, sample_weight)
-    sizes = {int(np.shape(a)[0]) for a in tf.nest.flatten([a for a in arrays if a is not None])}
-    if len(sizes) != 1:
-        raise ValueError(f"x, y and sample_weight must have the same number of samples, got {sorted(sizes)}")
-    (count,) = sizes
-    size = 32 if batch_size is None else int(batch_size)
-    if size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    for start in range(0, count, size):
-        yield tuple(
-            None if a is None else tf.nest.map_structure(lambda v: tf.convert_to_tensor(np.asarray(v)[start:start + size]), a)
-            for a in arrays
-        )
 
 
 # --------------------------------------------------------------------------------------
@@ -280,7 +223,7 @@ def diagnose(
     if jit_compile is None:
         jit_compile = bool(getattr(model, "jit_compile", False)) if getattr(model, "compiled", False) else False
     if hasattr(data, "__next__"):  # an iterator or generator: keep what it yields for the re-scans
-        data = _Replay(data)
+        data = Replay(data)
     scan = (model, data, loss_fn, y, sample_weight, batch_size, max_batches, skip_batches)
     found = _scan(*scan, jit_compile)
     fallback = None
@@ -296,20 +239,6 @@ def diagnose(
     return _diagnose_batch(
         model, loss_fn, index, x, y_true, weights, compiled, jit_compile, fallback, tuple(losses_before)
     )
-
-
-class _Replay:
-    """An iterator that can be iterated again: it keeps the batches it has yielded."""
-
-    def __init__(self, source) -> None:
-        self._source = source
-        self._seen: list = []
-
-    def __iter__(self):
-        yield from self._seen
-        for batch in self._source:
-            self._seen.append(batch)
-            yield batch
 
 
 def _state(model):
@@ -339,7 +268,7 @@ def _scan(model, data, loss_fn, y, sample_weight, batch_size, max_batches, skip,
         _ensure_built(model, x)
         if step is None:
             step = _compiled_step(model, loss_fn, jit)
-        if _nonfinite_data(batch):
+        if nonfinite_data(batch):
             return index, batch, {"loss": False, "variables": [], "data": True}
         state = _state(model)
         try:
@@ -370,32 +299,6 @@ def _compiled_step(model, loss_fn, jit):
     if jit is None:
         return step
     return tf.function(step, jit_compile=jit, reduce_retracing=True)
-
-
-def _leaves(structure, path: str = ""):
-    """``(path, leaf)`` pairs of a nest of dicts, lists and tuples."""
-    if isinstance(structure, dict):
-        for key in sorted(structure):
-            yield from _leaves(structure[key], f"{path}/{key}" if path else str(key))
-    elif isinstance(structure, (list, tuple)):
-        for index, item in enumerate(structure):
-            yield from _leaves(item, f"{path}/{index}" if path else str(index))
-    else:
-        yield path, structure
-
-
-def _nonfinite_data(batch) -> list[tuple[str, np.ndarray]]:
-    """The non-finite parts of a batch: ``[("x", array), ...]``."""
-    found = []
-    for label, part in zip(("x", "y", "sample_weight"), batch):
-        if part is None:
-            continue
-        for path, value in _leaves(part):
-            array = np.asarray(value)
-            if array.dtype.kind in "fc" or array.dtype.kind == "V":
-                if nonfinite_mask(array).any():
-                    found.append((label + (f"[{path}]" if path else ""), array))
-    return found
 
 
 def _input_diagnosis(index, bad, compiled) -> Diagnosis:
@@ -481,7 +384,7 @@ def _mode_names(jit: bool) -> str:
 
 
 def _diagnose_batch(model, loss_fn, index, x, y_true, weights, compiled, jit, fallback, losses_before):
-    bad_data = _nonfinite_data((x, y_true, weights))
+    bad_data = nonfinite_data((x, y_true, weights))
     if bad_data:
         return _input_diagnosis(index, bad_data, compiled)
     weights_found = _weights_diagnosis(model, index, compiled, losses_before)
@@ -532,19 +435,10 @@ def _diagnose_batch(model, loss_fn, index, x, y_true, weights, compiled, jit, fa
             cause="unclassified", fix=cause.fix, section=cause.section, mode_disagreement=disagreement,
             symptom=_symptom({"loss": not loss_finite}),
         )
-    return _from_event(event, tracer, index, tuple(bad_variables), disagreement, loss_finite, losses_before)
+    return from_event(event, tracer, index, tuple(bad_variables), disagreement, loss_finite, losses_before)
 
 
-def _all_finite_results(result) -> bool:
-    """Whether ``result`` holds float tensors and every one of them is finite."""
-    values = [gradient_values(v) for v in tf.nest.flatten(result) if isinstance(v, (tf.Tensor, tf.IndexedSlices))]
-    values = [v for v in values if v.dtype.is_floating or v.dtype.is_complex]
-    if not values:
-        return False
-    return all(not nonfinite_mask(np.asarray(v.numpy())).any() for v in values)
-
-
-def _from_event(event, tracer, index, variables, disagreement, loss_finite, losses_before) -> Diagnosis:
+def from_event(event, tracer, index, variables, disagreement, loss_finite, losses_before) -> Diagnosis:
     name, summary = classify(event, tracer.masked_selects, loss_finite=loss_finite)
     if name in ("overflow", "inf_arithmetic", "unclassified") and grew(list(losses_before)):
         name = "divergence"
@@ -576,67 +470,4 @@ def _from_event(event, tracer, index, variables, disagreement, loss_finite, loss
         mode_disagreement=disagreement,
         symptom=_symptom({"loss": not loss_finite}),
         code=source_text(where.filename, where.lineno),
-    )
-
-
-# --------------------------------------------------------------------------------------
-# diagnose_function: the same for a custom training step
-# --------------------------------------------------------------------------------------
-
-
-def diagnose_function(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Diagnosis | None:
-    """Run a custom training step op by op and diagnose its first harmful NaN or Inf.
-
-    For custom loops (eager, ``tf.function``, ``jit_compile=True``: every function runs
-    op by op here). Unlike :func:`~companion.diagnostics.locate_nonfinite`, which stops
-    at the first non-finite op, ``fn`` runs to its end, so a NaN that a ``tf.where``
-    drops in the forward pass is told apart from one that reaches the loss: if every
-    non-finite forward value was dropped by a ``tf.where`` (or none appeared), the
-    culprit is the first non-finite op of the backward pass; else the first forward
-    one. If ``fn`` returns tensors (its loss, its gradients) and all of them are finite,
-    the non-finite values on the way were harmless and the result is ``None``. The
-    fields are those of :func:`diagnose`, with ``batch=None`` and the variables unnamed
-    (``fn`` owns them).
-
-    Args:
-        fn: the step, e.g. a function that runs the model and ``tape.gradient``.
-        *args: positional arguments for ``fn``.
-        **kwargs: keyword arguments for ``fn``.
-
-    Returns:
-        A :class:`Diagnosis`, or ``None`` if no op output was non-finite, or if
-        everything ``fn`` returned is finite.
-
-    Raises:
-        TypeError: if ``fn`` is not callable.
-
-    Example:
-        >>> w = tf.Variable(1.0)
-        >>> def step(x):
-        ...     with tf.GradientTape() as tape:
-        ...         loss = tf.reduce_sum(tf.sqrt(w * x))
-        ...     return tape.gradient(loss, w)
-        >>> d = diagnose_function(tf.function(step, jit_compile=True), tf.constant([0.0, 4.0]))
-        >>> d.phase, d.op, d.forward_op, d.cause
-        ('backward', 'SqrtGrad', 'Sqrt', 'singular_derivative')
-    """
-    if not callable(fn):
-        raise TypeError(f"fn must be callable, got {type(fn).__name__} {fn!r}")
-    tracer = OpTracer()
-    tf_filtering = tf.debugging.is_traceback_filtering_enabled()
-    try:
-        tf.debugging.disable_traceback_filtering()
-        with eager_trace(tracer):
-            result = fn(*args, **kwargs)
-    finally:
-        if tf_filtering:
-            tf.debugging.enable_traceback_filtering()
-    if not tracer.events or _all_finite_results(result):
-        return None
-    forward = [e for e in tracer.events if not e.backward]
-    backward = tracer.first(backward=True)
-    masked = bool(tracer.masked_selects)
-    event = backward if backward is not None and (not forward or masked) else (forward[0] if forward else backward)
-    return _from_event(
-        event, tracer, index=None, variables=(), disagreement=None, loss_finite=event.backward, losses_before=()
     )
