@@ -43,28 +43,31 @@ def diagnose_skipped_step(run: Any, step: int) -> Diagnosis | None:
     Returns:
         The :class:`Diagnosis`, or ``None`` if the batch is finite when re-run (an
         input pipeline that reshuffles, or updates applied after the skipped step in
-        the same host call, can hide it); never raises (a failure of the doctor is a
-        warning, not a reason to stop training).
+        the same host call, can hide it). A failure of the doctor is a warning, not a
+        reason to stop training; with several workers, every worker still takes part
+        in the one exchange that names the worker (its failure would else hang the
+        others).
     """
+    position = step - sum(run.history.epoch_steps)
+    found = None
     try:
-        position = step - sum(run.history.epoch_steps)
-        found = None
         for replica, part in _local_batches(run, position):
             found = diagnose(run.model, iter([part]), jit_compile=False)
             if found is not None:
                 found = _with_replica(found, run, replica, position)
                 break
-        if run.cluster is not None:
-            found = _name_worker(run, found, position)
-        elif found is None:
+        if found is None and run.cluster is None:
             # The batch may have moved (a reshuffling pipeline): scan the epoch.
             found = diagnose(run.model, _flat(run), jit_compile=False, max_batches=max(position + 1, 1) * 2)
-        if found is not None and run.verbose:
-            print(f"\ncompanion.training: step {step} skipped; the NaN doctor says:\n{found}", flush=True)
-        return found
     except Exception as error:  # pragma: no cover - the doctor must never stop training
         warnings.warn(f"the NaN doctor could not diagnose step {step}: {error!r}", RuntimeWarning, stacklevel=2)
-        return None
+        found = None
+    if run.cluster is not None:
+        # Every worker reaches this exchange, whatever its own doctor found (or raised).
+        found = _name_worker(run, found, position)
+    if found is not None and run.verbose:
+        print(f"\ncompanion.training: step {step} skipped; the NaN doctor says:\n{found}", flush=True)
+    return found
 
 
 def _flat(run):
