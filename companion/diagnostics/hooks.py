@@ -64,7 +64,11 @@ def diagnose_skipped_step(run: Any, step: int) -> Diagnosis | None:
         found = None
     if run.cluster is not None:
         # Every worker reaches this exchange, whatever its own doctor found (or raised).
-        found = _name_worker(run, found, position)
+        try:
+            found = _name_worker(run, found, position)
+        except Exception as error:  # pragma: no cover - e.g. a lost peer: the loop sees it next
+            warnings.warn(f"the NaN doctor could not name the worker of step {step}: {error!r}", RuntimeWarning,
+                          stacklevel=2)
     if found is not None and run.verbose:
         print(f"\ncompanion.training: step {step} skipped; the NaN doctor says:\n{found}", flush=True)
     return found
