@@ -337,7 +337,7 @@ def exploding_learning_rate():
 
 CASES = [
     Case("sqrt_of_product", "https://github.com/tensorflow/tensorflow/issues/4914", sqrt_of_product,
-         "singular_derivative", "SqrtGrad", "Sqrt", "net/sqrt_cx", ("eager", "function", "fit_arrays")),
+         "singular_derivative", "SqrtGrad", "Sqrt", "net/sqrt_cx", ("eager", "function", "xla", "fit_arrays")),
     Case("norm_of_difference", "https://github.com/tensorflow/tensorflow/issues/12071", norm_of_difference,
          "singular_derivative", "SqrtGrad", "Sqrt", "net/dist", ("function", "compiled_xla")),
     Case("norm_of_relu", "https://github.com/Theano/Theano/issues/3223", norm_of_relu,
@@ -369,7 +369,7 @@ CASES = [
     Case("naive_softplus", "https://github.com/tensorforce/tensorforce/issues/114", naive_softplus,
          "overflow", "Exp", None, "net/softplus", ("eager", "compiled_xla")),
     Case("naive_softmax", "https://github.com/tensorflow/tensorflow/issues/10142", naive_softmax,
-         "overflow", "Exp", None, "net/softmax", ("function",)),
+         "overflow", "Exp", None, "net/softmax", ("function", "xla")),
     Case("float16_square", "https://github.com/keras-team/keras/issues/11832", float16_square,
          "overflow", "Square", None, "net/energy", ("mixed",)),
     Case("float16_exp", "https://github.com/tensorflow/tensorflow/issues/38495", float16_exp,
