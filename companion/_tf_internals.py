@@ -296,7 +296,7 @@ def strategy_supports_no_merge_call() -> bool:
 
 
 # --------------------------------------------------------------------------------------
-# 7. Op callbacks and the check-numerics state (companion.diagnostics.locate_nonfinite)
+# 7. Op callbacks and the check-numerics state (companion.diagnostics)
 # --------------------------------------------------------------------------------------
 # Relies on: ``tensorflow.python.framework.op_callbacks.add_op_callback`` /
 # ``remove_op_callback`` (to record the name scope of each eager op), and the module
@@ -336,13 +336,15 @@ def check_numerics_enabled() -> bool:
 
 
 # --------------------------------------------------------------------------------------
-# 8. The forward op of a gradient being computed (from a traceback)
+# 8. The forward op of a gradient being computed (from a traceback or the live stack)
 # --------------------------------------------------------------------------------------
 # Relies on: eager ``GradientTape.gradient`` calling each op's registered gradient from
-# ``tensorflow/python/eager/backprop.py``'s ``_gradient_function(op_name, ...)``; its
-# local ``op_name`` is the forward op's type.
+# ``tensorflow/python/eager/backprop.py``'s ``_gradient_function(op_name, attr_tuple,
+# num_inputs, inputs, outputs, out_grads, skip_input_indices, forward_pass_name_scope)``;
+# its local ``op_name`` is the forward op's type and ``inputs``/``outputs`` the forward
+# op's tensors (the op-by-op re-run maps them back to the forward op's record).
 # If gone: the report still says "gradient" (from ``imperative_grad`` on the stack) but
-# not of which forward op.
+# not of which forward op, nor its layer and line.
 
 
 def frame_phase(frame) -> tuple[str | None, str | None]:
@@ -359,6 +361,49 @@ def frame_phase(frame) -> tuple[str | None, str | None]:
     if code.co_name in ("imperative_grad", "gradient") and "backprop" in code.co_filename:
         return "gradient", None
     return None, None
+
+
+def backprop_forward_op(frame) -> dict[str, Any] | None:
+    """The forward op that eager backprop is differentiating, seen from ``frame`` outwards.
+
+    Returns ``None`` outside ``GradientTape.gradient``; else a dict with the forward op's
+    ``op_type``, the ``inputs`` and ``outputs`` the tape kept for it (tensors, or
+    ``None`` where the gradient does not need them) and its forward ``scope``.
+    """
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_gradient_function" and code.co_filename.endswith("backprop.py"):
+            local = frame.f_locals
+            forward = local.get("op_name")
+            return {
+                "op_type": forward.decode() if isinstance(forward, bytes) else str(forward),
+                "inputs": tuple(local.get("inputs") or ()),
+                "outputs": tuple(local.get("outputs") or ()),
+                "scope": local.get("forward_pass_name_scope"),
+            }
+        frame = frame.f_back
+    return None
+
+
+# --------------------------------------------------------------------------------------
+# 8b. The arguments of the running ``model.fit`` (companion.diagnostics.NaNDoctor)
+# --------------------------------------------------------------------------------------
+# Relies on: Keras 3's ``Trainer.fit(self, x, y, batch_size, ..., sample_weight, ...)``
+# being on the stack, with those local names, when it calls a callback's batch hooks.
+# If gone: the NaNDoctor callback needs its ``data`` argument (it says so).
+
+
+def running_fit_arguments(frame) -> dict[str, Any] | None:
+    """``x``, ``y``, ``sample_weight`` and ``batch_size`` of the ``fit`` call on the stack."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "fit" and "keras" in code.co_filename:
+            local = frame.f_locals
+            if "x" in local and "self" in local:
+                return {name: local.get(name) for name in ("x", "y", "sample_weight", "batch_size")}
+        frame = frame.f_back
+    warn_once("fit frame", "keras' fit is not on the stack with its arguments: pass NaNDoctor(data=...)")
+    return None
 
 
 # --------------------------------------------------------------------------------------
