@@ -41,7 +41,9 @@ __all__ = [
     "Case",
     "CaseResult",
     "Report",
+    "case_model",
     "cause_counts",
+    "doctor_run",
     "check_case",
     "diverging_fit",
     "load_reports",
@@ -90,8 +92,9 @@ class Report(NamedTuple):
             ``pytorch``, ``jax``, ...).
         kind: ``issue``, ``qa``, ``forum`` or ``blog``.
         pattern: the checklist row it belongs to, a key of :data:`PATTERNS`.
-        cause: the cause, a name of :data:`companion.diagnostics.CAUSES`, or
-            ``backend_bug`` (a defect of the framework) or ``unresolved``.
+        cause: the cause, a name of :data:`companion.diagnostics.CAUSES`
+            (``compiled_only`` for a NaN that only compiled code makes), or
+            ``unresolved`` when the thread never found it.
         basis: ``stated`` when the reporter or a maintainer names the mechanism in the
             thread, ``inferred`` when the classification is this survey's reading of it.
         summary: one line on what failed.
@@ -287,7 +290,9 @@ _CASE_LIST = [
          lambda p: tf.reduce_sum(p * tf.math.log(p)), "tf.math.xlogy", lambda p: tf.reduce_sum(tf.math.xlogy(p, p))),
     Case("logsumexp of (100, 0)", "softplus_logsigmoid", "overflow", (100.0, 0.0),
          lambda s: tf.math.log(tf.reduce_sum(tf.exp(s))), "tf.reduce_logsumexp", tf.reduce_logsumexp),
-    Case("softmax of (100, 0)", "softplus_logsigmoid", "overflow", (100.0, 0.0),
+    # exp(100) overflows, but 1/inf = 0 keeps the value finite: the doctor finds inf/inf
+    # in the gradient of the division.
+    Case("softmax of (100, 0)", "softplus_logsigmoid", "inf_arithmetic", (100.0, 0.0),
          lambda s: (tf.exp(s) / tf.reduce_sum(tf.exp(s)))[1], "tf.nn.softmax", lambda s: tf.nn.softmax(s)[1]),
     Case("x / (x + y) at 0, 0", "division", "division_by_zero", (0.0, 0.0), lambda v: v[0] / (v[0] + v[1]),
          "tf.math.divide_no_nan", lambda v: tf.math.divide_no_nan(v[0], v[0] + v[1])),
@@ -297,9 +302,9 @@ _CASE_LIST = [
          "clip into (-1, 1)", lambda v: tf.reduce_sum(tf.math.acos(_open_interval(v)))),
     Case("asin at -1", "acos_asin", "singular_derivative", (-1.0,), lambda v: tf.reduce_sum(tf.math.asin(v)),
          "clip into (-1, 1)", lambda v: tf.reduce_sum(tf.math.asin(_open_interval(v)))),
-    Case("atan2 at (0, 0)", "atan2_angle", "division_by_zero", (0.0, 0.0), lambda v: tf.math.atan2(v[0], v[1]),
+    Case("atan2 at (0, 0)", "atan2_angle", "singular_derivative", (0.0, 0.0), lambda v: tf.math.atan2(v[0], v[1]),
          "where at the origin", lambda v: _atan2_zero_at_origin(v[0], v[1])),
-    Case("angle of 0 + 0i", "atan2_angle", "division_by_zero", (0.0, 0.0),
+    Case("angle of 0 + 0i", "atan2_angle", "singular_derivative", (0.0, 0.0),
          lambda v: tf.math.angle(tf.complex(v[0], v[1])), "atan2, where at 0", lambda v: _atan2_zero_at_origin(v[1], v[0])),
     Case("cross-entropy of softmax(100, 0)", "crossentropy_probabilities", "log_of_zero", (100.0, 0.0),
          lambda s: -tf.reduce_sum(_one_hot_second(s) * tf.math.log(tf.nn.softmax(s))),
@@ -324,6 +329,64 @@ _CASE_LIST = [
 
 #: The checklist's cases by name, in the order the chapter shows them.
 CASES: dict[str, Case] = {case.name: case for case in _CASE_LIST}
+
+
+def case_model(case: Case) -> keras.Model:
+    """A model whose forward pass is ``case.naive`` at ``case.point``, for the NaN doctor.
+
+    An identity ``Dense`` layer (named ``dense``, so there are variables to differentiate)
+    feeds a ``Lambda`` layer named after the case's pattern that applies ``case.naive``
+    to the one example of the batch.
+
+    Args:
+        case: a :class:`Case`.
+
+    Returns:
+        An uncompiled ``keras.Model`` mapping inputs of shape ``(1, len(case.point))``
+        to an output of shape ``(1, 1)``.
+
+    Example:
+        >>> case = CASES["norm at 0"]
+        >>> model = case_model(case)
+        >>> model(np.array([case.point], np.float32)).numpy()
+        array([[0.]], dtype=float32)
+    """
+    size = len(case.point)
+    naive, dtype = case.naive, case.dtype
+
+    def forward(z):
+        return tf.cast(tf.reshape(naive(tf.cast(z[0], dtype)), (1, 1)), tf.float32)
+
+    return keras.Sequential(
+        [
+            keras.Input((size,)),
+            keras.layers.Dense(size, kernel_initializer="identity", name="dense"),
+            keras.layers.Lambda(forward, name=case.pattern),
+        ],
+        name="case",
+    )
+
+
+def doctor_run(case: Case):
+    """The NaN doctor on a case: :func:`companion.diagnostics.diagnose` of :func:`case_model`.
+
+    The loss is the model's output itself (the mean over the batch of one), so the
+    gradient the doctor follows is the case's own gradient.
+
+    Args:
+        case: a :class:`Case`.
+
+    Returns:
+        The :class:`~companion.diagnostics.Diagnosis` (None if nothing was non-finite).
+
+    Example:
+        >>> doctor_run(CASES["(-8) ** (1/3)"]).cause
+        'pow_negative_base'
+    """
+    from companion.diagnostics import diagnose
+
+    x = np.array([case.point], np.float32)
+    return diagnose(case_model(case), (x, np.zeros((1, 1), np.float32)), loss=lambda y, p: tf.reduce_mean(p))
 
 
 # --- the two runs -----------------------------------------------------------------------

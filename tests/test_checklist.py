@@ -27,6 +27,7 @@ DOCTOR_CAUSES = {
     "domain_edge",
     "inf_arithmetic",
     "divergence",
+    "compiled_only",
 }
 
 
@@ -51,7 +52,7 @@ def test_survey_is_mostly_tensorflow_and_keras_reports(reports):
 
 def test_every_survey_cause_is_a_doctor_cause_or_says_why_not(reports):
     for report in reports:
-        assert report.cause in DOCTOR_CAUSES | {"backend_bug", "unresolved"}, report
+        assert report.cause in DOCTOR_CAUSES | {"unresolved"}, report
         assert (report.cause == "unresolved") == (report.basis == "none"), report
 
 
@@ -155,6 +156,17 @@ def test_fix_agrees_with_the_naive_form_away_from_the_bad_point(name):
         naive, fixed = case.naive(x), case.fix(x)
     np.testing.assert_allclose(fixed.numpy(), naive.numpy(), rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(tape.gradient(fixed, x).numpy(), tape.gradient(naive, x).numpy(), rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_doctor_names_each_cases_cause_and_layer(name):
+    case = CASES[name]
+    diagnosis = checklist.doctor_run(case)
+    assert diagnosis is not None
+    assert diagnosis.cause == case.cause
+    assert diagnosis.layer == f"case/{case.pattern}"
+    if not check_case(case).gradient:
+        assert diagnosis.variables, "the identity Dense layer's variables get non-finite gradients"
 
 
 def test_toy_model_has_a_nan_gradient_at_zero_and_is_the_square_root():
