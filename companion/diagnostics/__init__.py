@@ -20,6 +20,7 @@ The package, one idea per module: ``gradients`` (per-variable records), ``trace`
 
 from __future__ import annotations
 
+from companion.diagnostics.callback import NaNDoctor
 from companion.diagnostics.causes import CAUSES, Cause
 from companion.diagnostics.doctor import Diagnosis, diagnose
 from companion.diagnostics.gradients import GradientRecord, GradientReport, nonfinite_gradients
@@ -32,6 +33,7 @@ __all__ = [
     "diagnose",
     "GradientRecord",
     "GradientReport",
+    "NaNDoctor",
     "NonFiniteLocation",
     "locate_nonfinite",
     "nonfinite_gradients",

@@ -65,6 +65,8 @@ class Diagnosis:
         symptom: ``"non-finite loss"`` or ``"finite loss, non-finite gradients"``
             (in the mode that found the batch).
         code: the text of the ``source`` line.
+        worker: in a multi-worker :func:`companion.training.train` run, the index of
+            the worker whose shard made the NaN; else ``None``.
     """
 
     batch: int | None
@@ -82,6 +84,17 @@ class Diagnosis:
     mode_disagreement: str | None = None
     symptom: str = ""
     code: str | None = None
+    worker: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-compatible dict (the training checkpoint stores it)."""
+        return {**dataclasses.asdict(self), "variables": list(self.variables)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Diagnosis":
+        """Inverse of :meth:`to_dict`."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{**{k: v for k, v in data.items() if k in names}, "variables": tuple(data["variables"])})
 
     @property
     def description(self) -> str:
@@ -329,14 +342,25 @@ def _compiled_step(model, loss_fn, jit):
     return step
 
 
+def _leaves(structure, path: str = ""):
+    """``(path, leaf)`` pairs of a nest of dicts, lists and tuples."""
+    if isinstance(structure, dict):
+        for key in sorted(structure):
+            yield from _leaves(structure[key], f"{path}/{key}" if path else str(key))
+    elif isinstance(structure, (list, tuple)):
+        for index, item in enumerate(structure):
+            yield from _leaves(item, f"{path}/{index}" if path else str(index))
+    else:
+        yield path, structure
+
+
 def _nonfinite_data(batch) -> list[tuple[str, np.ndarray]]:
     """The non-finite parts of a batch: ``[("x", array), ...]``."""
     found = []
     for label, part in zip(("x", "y", "sample_weight"), batch):
         if part is None:
             continue
-        paths = tf.nest.flatten_with_joined_string_paths(part) if not isinstance(part, (np.ndarray, tf.Tensor)) else [("", part)]
-        for path, value in paths:
+        for path, value in _leaves(part):
             array = np.asarray(value)
             if array.dtype.kind in "fc" or array.dtype.kind == "V":
                 if nonfinite_mask(array).any():

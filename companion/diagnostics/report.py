@@ -13,6 +13,8 @@ _LABEL = 13  # "  variables: " and the like
 def _rows(diagnosis) -> list[tuple[str, str]]:
     d = diagnosis
     rows = [("batch", f"{d.batch}: {d.symptom}" if d.symptom else str(d.batch)), ("phase", d.phase)]
+    if d.worker is not None:
+        rows.append(("worker", str(d.worker)))
     if d.op:
         rows.append(("op", d.op + (f" (gradient of {d.forward_op})" if d.forward_op else "")))
     if d.layer:
