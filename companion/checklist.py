@@ -47,6 +47,7 @@ __all__ = [
     "check_case",
     "diverging_fit",
     "load_reports",
+    "naive_standardize",
     "loss_scaling_run",
     "pattern_counts",
     "toy_model",
@@ -329,6 +330,28 @@ _CASE_LIST = [
 
 #: The checklist's cases by name, in the order the chapter shows them.
 CASES: dict[str, Case] = {case.name: case for case in _CASE_LIST}
+
+
+def naive_standardize(x) -> tf.Tensor:
+    """``(x - mean) / sqrt(mean(x^2) - mean^2)``: the one-pass standardisation, as often written.
+
+    In ``float16`` the square of values around 300 overflows (``300^2 > 65504``) and
+    ``inf - inf`` makes every entry NaN; compute it in ``float32`` instead.
+
+    Args:
+        x: a floating-point tensor.
+
+    Returns:
+        ``x`` standardised over all its entries, in ``x``'s dtype.
+
+    Example:
+        >>> naive_standardize(tf.constant([1.0, 3.0])).numpy()
+        array([-1.,  1.], dtype=float32)
+    """
+    x = tf.convert_to_tensor(x)
+    mean = tf.reduce_mean(x)
+    variance = tf.reduce_mean(tf.square(x)) - tf.square(mean)
+    return (x - mean) / tf.sqrt(variance)
 
 
 def case_model(case: Case) -> keras.Model:
