@@ -30,9 +30,7 @@ EXPECTED = {
 
 def _diagnosis(key):
     r = rebuild(key)
-    # Under XLA this rebuild's fit stays finite (the callback never fires); the doctor
-    # is called directly, as the chapter does.
-    if REPORTS[key].mode.startswith("fit") and key != "std_of_zero_vector":
+    if REPORTS[key].mode.startswith("fit"):
         doctor = NaNDoctor(verbose=False)
         run_as_reported(r, callbacks=[doctor])
         return doctor.diagnosis
@@ -61,11 +59,6 @@ def test_every_report_is_in_the_survey():
 def test_run_as_reported_fails(key):
     r = rebuild(key)
     run = run_as_reported(r)
-    if key == "std_of_zero_vector":  # XLA's compiled step stays finite; without XLA it does not
-        assert run["weights_finite"]
-        r = rebuild(key)
-        r.model.compile(optimizer="sgd", loss="mse", jit_compile=False)
-        run = run_as_reported(r)
     assert not (run["weights_finite"] and all(np.isfinite(run["losses"]))), run
 
 
@@ -85,10 +78,10 @@ def test_doctor_names_cause_batch_phase_layer_and_line(key):
     assert all(len(line) <= 80 for line in str(diagnosis).splitlines())
 
 
-def test_xla_case_says_that_xla_and_the_op_by_op_run_disagree():
-    diagnosis = _diagnosis("std_of_zero_vector")
-    assert diagnosis.mode_disagreement is not None
-    assert "XLA" in diagnosis.mode_disagreement
+def test_xla_case_is_compiled_with_xla_and_found_in_the_compiled_step():
+    assert rebuild("probabilities_crossentropy").model.jit_compile is True
+    diagnosis = _diagnosis("probabilities_crossentropy")
+    assert diagnosis.mode_disagreement is None, "XLA and the op-by-op run agree: both non-finite"
 
 
 def test_complex_case_sees_the_complex_angle():
@@ -112,3 +105,16 @@ def test_doctor_finds_nothing_in_the_fixed_rebuild(key):
 def test_rebuild_rejects_an_unknown_key():
     with pytest.raises(KeyError, match="unknown report"):
         reports.rebuild("nonsense")
+
+
+def test_the_chapter_cites_every_rebuilt_report_and_is_in_the_toc():
+    import json
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    notebook = json.loads((root / "book/closing/finding_your_own_nan.ipynb").read_text())
+    text = "".join("".join(cell["source"]) for cell in notebook["cells"] if cell["cell_type"] == "markdown")
+    for key, info in REPORTS.items():
+        assert info.url in text, key
+    toc = (root / "_toc.yml").read_text()
+    assert toc.index("book/closing/checklist") < toc.index("book/closing/finding_your_own_nan")
