@@ -538,6 +538,43 @@ def loss_scaling_run(dynamic: bool, steps: int = 6, scale: float = 2.0**15) -> d
         keras.mixed_precision.set_global_policy(previous)
 
 
+def fixed_loss_scale_diagnosis(scale: float = 2.0**15):
+    """The NaN doctor on :func:`loss_scaling_run`'s model with a fixed loss scale.
+
+    The loss is the mean squared error multiplied by ``scale``, as a fixed loss scale
+    computes it; the doctor finds the ``float16`` gradient that overflows.
+
+    Args:
+        scale: the fixed loss scale.
+
+    Returns:
+        The :class:`~companion.diagnostics.Diagnosis` of the first batch.
+
+    Example:
+        >>> d = fixed_loss_scale_diagnosis()
+        >>> d.cause, d.phase, d.dtype
+        ('overflow', 'backward', 'float16')
+    """
+    from companion.diagnostics import diagnose
+
+    previous = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        keras.utils.set_random_seed(0)
+        x = np.linspace(-1.0, 1.0, 32, dtype=np.float32).reshape(-1, 1)
+        y = 100.0 + 10.0 * x
+        model = keras.Sequential(
+            [keras.Input((1,)), keras.layers.Dense(1, kernel_initializer="zeros", name="dense")], name="scaled"
+        )
+
+        def scaled_loss(y_true, y_pred):
+            return scale * tf.reduce_mean(tf.square(tf.cast(y_pred, tf.float32) - y_true))
+
+        return diagnose(model, (x, y), loss=scaled_loss)
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
+
+
 def first_nonfinite(values) -> int | None:
     """The 1-based index of the first value that is not finite, or None.
 
@@ -551,4 +588,4 @@ def first_nonfinite(values) -> int | None:
     return None
 
 
-__all__.append("first_nonfinite")
+__all__ += ["first_nonfinite", "fixed_loss_scale_diagnosis"]

@@ -202,6 +202,13 @@ def test_fixed_loss_scale_overflows_float16_and_dynamic_scale_recovers():
     assert tf.keras.mixed_precision.global_policy().name == "float32", "the policy is restored"
 
 
+def test_the_doctor_names_the_fixed_loss_scale_overflow():
+    diagnosis = checklist.fixed_loss_scale_diagnosis()
+    assert (diagnosis.cause, diagnosis.phase, diagnosis.dtype) == ("overflow", "backward", "float16")
+    assert "65504" in diagnosis.inputs_summary
+    assert tf.keras.mixed_precision.global_policy().name == "float32"
+
+
 def test_first_nonfinite():
     assert checklist.first_nonfinite([1.0, 2.0]) is None
     assert checklist.first_nonfinite([1.0, math.nan]) == 2
