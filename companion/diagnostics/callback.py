@@ -12,8 +12,8 @@ import numpy as np
 import tensorflow as tf
 
 from companion import _tf_internals
+from companion._gradients import all_finite
 from companion.diagnostics.doctor import Diagnosis, diagnose
-from companion.diagnostics.trace import nonfinite_mask
 
 __all__ = ["NaNDoctor"]
 
@@ -22,11 +22,11 @@ class NaNDoctor(keras.callbacks.Callback):
     """Diagnose the first batch of ``fit`` whose loss is not finite: one added line.
 
     ``model.fit(x, y, callbacks=[NaNDoctor()])``. After every batch the callback
-    looks at the loss ``fit`` logs (already on the host: no extra work on the device).
-    Before each batch it copies the model's weights on their device (one
-    ``DeepCopy`` per variable, in one compiled call: the doctor's only cost on a
-    clean batch, measured by ``benchmarks/doctor.py``). At the first
-    non-finite loss it puts back the weights of the last step whose weights were still
+    looks at the loss ``fit`` logs. Before each batch it copies the model's weights
+    on their device and checks that they are finite (one compiled call: the doctor's
+    cost on a clean batch, measured by ``benchmarks/doctor.py``). At the first
+    non-finite loss (or the first non-finite weight, which a finite loss with infinite
+    gradients leaves behind) it puts back the weights of the last step whose weights were still
     finite (``fit`` has applied the non-finite update by then, and a finite loss with
     NaN gradients shows as a NaN loss one step later), runs :func:`diagnose` on that
     step's batch (the data ``fit`` was given, in order, or ``data``), prints the
@@ -45,7 +45,8 @@ class NaNDoctor(keras.callbacks.Callback):
     Attributes:
         diagnosis: the :class:`Diagnosis`, or ``None`` (nothing non-finite yet, or the
             NaN did not reproduce).
-        batch: ``(epoch, batch)`` of ``fit`` at which the loss turned non-finite.
+        batch: ``(epoch, batch)`` of ``fit``'s step that made the first non-finite
+            loss or weight.
 
     Example:
         >>> keras.utils.set_random_seed(0)
@@ -88,7 +89,13 @@ class NaNDoctor(keras.callbacks.Callback):
         self.diagnosis = None
         self.batch = None
         variables = list(self.model.variables)
-        self._copy = tf.function(lambda: [tf.raw_ops.DeepCopy(x=v.value) for v in variables], autograph=False)
+
+        def copy():
+            values = [tf.raw_ops.DeepCopy(x=v.value) for v in variables]
+            floats = [v for v in values if v.dtype.is_floating]
+            return values, all_finite(floats)
+
+        self._copy = tf.function(copy, autograph=False)
         self._fit_data = self.data
         if self._fit_data is None:
             found = _tf_internals.running_fit_arguments(sys._getframe(1))
@@ -99,8 +106,20 @@ class NaNDoctor(keras.callbacks.Callback):
         self._epoch = epoch
 
     def on_train_batch_begin(self, batch, logs=None) -> None:
-        if not self._done:
-            self._snapshots.append((batch, self._copy()))
+        if self._done:
+            return
+        copies, finite = self._copy()
+        if not bool(finite):
+            # The last step wrote a NaN or Inf into a weight with a finite loss (NaN or
+            # infinite gradients): diagnose that step's batch.
+            self._found(self._snapshots[-1][0] if self._snapshots else batch)
+            return
+        self._snapshots.append((batch, copies))
+
+    def on_epoch_end(self, epoch, logs=None) -> None:
+        # The epoch's last step may have written a NaN that no later batch would see.
+        if not self._done and self._snapshots and not bool(self._copy()[1]):
+            self._found(self._snapshots[-1][0])
 
     def on_train_batch_end(self, batch, logs=None) -> None:
         if self._done or not logs or "loss" not in logs:
@@ -109,6 +128,9 @@ class NaNDoctor(keras.callbacks.Callback):
         if math.isfinite(value):
             self._losses.append(value)
             return
+        self._found(batch)
+
+    def _found(self, batch: int) -> None:
         self._done = True
         self.batch = (self._epoch, batch)
         self._diagnose(batch)
@@ -116,15 +138,9 @@ class NaNDoctor(keras.callbacks.Callback):
             self.model.stop_training = True
 
     def _diagnose(self, batch: int) -> None:
-        current = self._copy()
-        chosen = None
-        for step, values in reversed(self._snapshots):
-            if all(not nonfinite_mask(np.asarray(v)).any() for v in values if v.dtype.is_floating):
-                chosen = (step, values)
-                break
-        if chosen is None:
-            chosen = (batch, current)
-        step, values = chosen
+        current, _ = self._copy()
+        # The newest snapshot is the last one whose weights were all finite.
+        step, values = self._snapshots[-1] if self._snapshots else (batch, current)
         for variable, value in zip(self.model.variables, values):
             variable.assign(value)
         try:

@@ -73,7 +73,7 @@ CAUSES: dict[str, Cause] = {
     "pow_negative_base": Cause(
         "a power x**p of a negative base: NaN for a non-integer p, and log(x) = NaN in "
         "the gradient with respect to p",
-        "companion.numerics.signed_pow (sign(x)*|x|**p) or safe_pow; keep the base "
+        "companion.numerics.signed_pow (sign(x) * abs(x)**p) or safe_pow; keep the base "
         "positive (softplus, exp) if it must be",
         "book/case_a/log_exp_power#what-tf-pow-s-gradient-does-at-0-and-below",
     ),
@@ -211,14 +211,15 @@ def classify(event, masked_selects: Sequence = (), *, loss_finite: bool = True) 
 def _where_summary(forward, select) -> str:
     ins = [_as_float(a) for a in forward.inputs]
     text = f"the tf.where drops non-finite values of {forward.op_type}"
+    dropped = text.replace("the ", "a ", 1)
     for index, array in enumerate(ins):
         if array is not None and array.size and not np.iscomplexobj(array):
             zeros = array == 0
             if zeros.any() and forward.op_type in LOG_OPS | DIVISION_OPS | {"Sqrt", "Rsqrt", "Pow"}:
-                return f"{_fact(forward.op_type, index, array, zeros, 'are exactly 0')}; " + text.replace("the ", "a ", 1)
+                return f"{_fact(forward.op_type, index, array, zeros, 'are exactly 0')}; {dropped}"
             negative = array < 0
             if negative.any() and forward.op_type in ("Log", "Sqrt", "Pow"):
-                return f"{_fact(forward.op_type, index, array, negative, 'are negative')}; " + text.replace("the ", "a ", 1)
+                return f"{_fact(forward.op_type, index, array, negative, 'are negative')}; {dropped}"
     return text
 
 
@@ -298,26 +299,25 @@ def _output_cause(op: str, inputs: Sequence, event) -> tuple[str, str]:
     output = next((o for o in event.outputs if o is not None and o.size and not _finite(o).all()), None)
     if bad_inputs:
         index, array = bad_inputs[0]
-        if op in ("Mul", "MatMul", "BatchMatMulV2", "Einsum") and any(
-            a is not None and a.size and (a == 0).any() for a in ins
-        ):
-            return "inf_arithmetic", f"{op} multiplies 0 by Inf: {_count(~_finite(array))} of {array.size} entries of input {index} are not finite"
-        if op in ("AddV2", "Add", "Sub", "Sum", "AddN"):
-            return "inf_arithmetic", f"{op} adds Inf and -Inf: {_count(~_finite(array))} of {array.size} entries of input {index} are not finite"
-        return "inf_arithmetic", f"{_count(~_finite(array))} of {array.size} entries of input {index} of {op} are not finite"
+        share = f"{_count(~_finite(array))} of {array.size} entries of input {index} of {op} are not finite"
+        multiplies = op in ("Mul", "MatMul", "BatchMatMulV2", "Einsum")
+        if multiplies and any(a is not None and a.size and (a == 0).any() for a in ins):
+            return "inf_arithmetic", f"{op} multiplies 0 by Inf: {share}"
+        return "inf_arithmetic", share
     if output is not None and not np.iscomplexobj(output):
         out = np.asarray(output, np.float64)
         if np.isinf(out).any() and (op in OVERFLOW_OPS or event.backward):
             finfo = np.finfo(output.dtype) if output.dtype.kind == "f" else None
-            largest = max((float(np.max(np.abs(a))) for a in ins if a is not None and a.size and not np.iscomplexobj(a)), default=float("nan"))
+            magnitudes = [float(np.max(np.abs(a))) for a in ins if a is not None and a.size and not np.iscomplexobj(a)]
+            largest = max(magnitudes, default=float("nan"))
             limit = f"{float(finfo.max):.5g}" if finfo is not None else "the dtype's max"
-            dtype = str(output.dtype)
             return "overflow", (
-                f"{_count(np.isinf(out))} of {out.size} outputs of {op} exceed {dtype}'s max {limit}; "
+                f"{_count(np.isinf(out))} of {out.size} outputs of {op} exceed {output.dtype}'s max {limit}; "
                 f"largest |input| {largest:.3g}"
             )
     if output is not None:
-        return "domain_edge", f"{op} made {_count(~_finite(output))} of {output.size} values non-finite from finite inputs"
+        count = _count(~_finite(output))
+        return "domain_edge", f"{op} made {count} of {output.size} values non-finite from finite inputs"
     return "unclassified", ""
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import keras
 import numpy as np
@@ -27,6 +27,7 @@ import tensorflow as tf
 from companion._gradients import all_finite, gradient_values
 from companion.diagnostics import report
 from companion.diagnostics.causes import CAUSES, classify, grew
+from companion.diagnostics.data import Replay, batches, nonfinite_data
 from companion.diagnostics.gradients import _variable_path
 from companion.diagnostics.locate import dtype_name
 from companion.diagnostics.sources import source_text
@@ -109,63 +110,6 @@ class Diagnosis:
 
 
 # --------------------------------------------------------------------------------------
-# Data as fit takes it
-# --------------------------------------------------------------------------------------
-
-
-def _unpack(batch) -> tuple[Any, Any, Any]:
-    if isinstance(batch, list):
-        batch = tuple(batch)
-    return keras.utils.unpack_x_y_sample_weight(batch)
-
-
-def _is_array_like(value) -> bool:
-    if isinstance(value, (np.ndarray, tf.Tensor)) or hasattr(value, "__array__"):
-        return True
-    if isinstance(value, dict):
-        return all(_is_array_like(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return bool(value) and all(_is_array_like(v) for v in value)
-    return False
-
-
-def batches(data, y=None, sample_weight=None, batch_size=None) -> Iterator[tuple[Any, Any, Any]]:
-    """``(x, y, sample_weight)`` batches of ``data`` in ``fit``'s order, unshuffled."""
-    if isinstance(data, tf.data.Dataset):
-        for batch in data:
-            yield _unpack(batch)
-        return
-    if isinstance(data, keras.utils.PyDataset):
-        for index in range(len(data)):
-            yield _unpack(data[index])
-        return
-    if y is None and sample_weight is None and isinstance(data, tuple) and 1 <= len(data) <= 3 and _is_array_like(data):
-        data, y, sample_weight = (tuple(data) + (None, None))[:3]
-    elif not _is_array_like(data):
-        if not hasattr(data, "__iter__"):
-            raise TypeError(
-                "data must be a tf.data.Dataset, a keras PyDataset, arrays (x, y[, sample_weight]) or an "
-                f"iterable of batches, got {type(data).__name__}"
-            )
-        for batch in data:
-            yield _unpack(batch)
-        return
-    arrays = (data, y, sample_weight)
-    sizes = {int(np.shape(a)[0]) for a in tf.nest.flatten([a for a in arrays if a is not None])}
-    if len(sizes) != 1:
-        raise ValueError(f"x, y and sample_weight must have the same number of samples, got {sorted(sizes)}")
-    (count,) = sizes
-    size = 32 if batch_size is None else int(batch_size)
-    if size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    for start in range(0, count, size):
-        yield tuple(
-            None if a is None else tf.nest.map_structure(lambda v: tf.convert_to_tensor(np.asarray(v)[start:start + size]), a)
-            for a in arrays
-        )
-
-
-# --------------------------------------------------------------------------------------
 # The loss as fit computes it
 # --------------------------------------------------------------------------------------
 
@@ -185,7 +129,7 @@ def _loss_function(model, loss) -> Callable:
             return value
 
         return given
-    if getattr(model, "compiled", False) or getattr(model, "compiled_loss", None) is not None:
+    if getattr(model, "compiled", False) and getattr(model, "loss", None) is not None:
         accepts_training = "training" in inspect.signature(model.compute_loss).parameters
 
         def compiled(x, y, y_pred, sample_weight):
@@ -193,7 +137,9 @@ def _loss_function(model, loss) -> Callable:
             return model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, **kwargs)
 
         return compiled
-    raise ValueError("the model is not compiled: pass loss= (a Keras loss name, a Loss or a callable)")
+    raise ValueError(
+        "the model is not compiled with a loss: pass loss= (a Keras loss name, a Loss or a callable)"
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -213,6 +159,7 @@ def diagnose(
     skip_batches: int = 0,
     jit_compile: bool | None = None,
     losses_before: Sequence[float] = (),
+    eager_fallback: bool = True,
 ) -> Diagnosis | None:
     """Find the first batch whose loss or gradients are not finite, and say why.
 
@@ -244,6 +191,9 @@ def diagnose(
             non-finite is found with XLA, the batches are scanned again without it.
         losses_before: losses of the steps before (e.g. from ``History``): if they grew
             step after step, an overflow is reported as ``"divergence"``.
+        eager_fallback: if no batch is non-finite in the compiled step, scan once more
+            with the step run eagerly (op by op, as a custom eager loop runs it): some
+            NaNs appear only there, and the diagnosis then says so.
 
     Returns:
         A :class:`Diagnosis`, or ``None`` if every batch's loss and gradients are
@@ -272,11 +222,17 @@ def diagnose(
     loss_fn = _loss_function(model, loss)
     if jit_compile is None:
         jit_compile = bool(getattr(model, "jit_compile", False)) if getattr(model, "compiled", False) else False
-    found = _scan(model, data, loss_fn, y, sample_weight, batch_size, max_batches, skip_batches, jit_compile)
+    if hasattr(data, "__next__"):  # an iterator or generator: keep what it yields for the re-scans
+        data = Replay(data)
+    scan = (model, data, loss_fn, y, sample_weight, batch_size, max_batches, skip_batches)
+    found = _scan(*scan, jit_compile)
     fallback = None
     if found is None and jit_compile:
         fallback = "XLA"
-        found = _scan(model, data, loss_fn, y, sample_weight, batch_size, max_batches, skip_batches, False)
+        found = _scan(*scan, False)
+    if found is None and eager_fallback:
+        fallback = "graph"
+        found = _scan(*scan, None)
     if found is None:
         return None
     index, (x, y_true, weights), compiled = found
@@ -312,7 +268,7 @@ def _scan(model, data, loss_fn, y, sample_weight, batch_size, max_batches, skip,
         _ensure_built(model, x)
         if step is None:
             step = _compiled_step(model, loss_fn, jit)
-        if _nonfinite_data(batch):
+        if nonfinite_data(batch):
             return index, batch, {"loss": False, "variables": [], "data": True}
         state = _state(model)
         try:
@@ -328,44 +284,21 @@ def _scan(model, data, loss_fn, y, sample_weight, batch_size, max_batches, skip,
 
 
 def _compiled_step(model, loss_fn, jit):
+    """The scanning step: XLA (``jit=True``), a plain graph (``False``) or eager (``None``)."""
     variables = list(model.trainable_variables)
 
-    @tf.function(jit_compile=jit, reduce_retracing=True)
     def step(x, y_true, weights):
         with tf.GradientTape() as tape:
             y_pred = model(x, training=True)
             value = loss_fn(x, y_true, y_pred, weights)
         grads = tape.gradient(value, variables)
         flags = [tf.constant(True) if g is None else all_finite([g]) for g in grads]
-        return tf.reduce_all(tf.math.is_finite(tf.cast(value, tf.float32))), tf.stack(flags) if flags else tf.ones([0], tf.bool)
+        finite = tf.reduce_all(tf.math.is_finite(tf.cast(value, tf.float32)))
+        return finite, tf.stack(flags) if flags else tf.ones([0], tf.bool)
 
-    return step
-
-
-def _leaves(structure, path: str = ""):
-    """``(path, leaf)`` pairs of a nest of dicts, lists and tuples."""
-    if isinstance(structure, dict):
-        for key in sorted(structure):
-            yield from _leaves(structure[key], f"{path}/{key}" if path else str(key))
-    elif isinstance(structure, (list, tuple)):
-        for index, item in enumerate(structure):
-            yield from _leaves(item, f"{path}/{index}" if path else str(index))
-    else:
-        yield path, structure
-
-
-def _nonfinite_data(batch) -> list[tuple[str, np.ndarray]]:
-    """The non-finite parts of a batch: ``[("x", array), ...]``."""
-    found = []
-    for label, part in zip(("x", "y", "sample_weight"), batch):
-        if part is None:
-            continue
-        for path, value in _leaves(part):
-            array = np.asarray(value)
-            if array.dtype.kind in "fc" or array.dtype.kind == "V":
-                if nonfinite_mask(array).any():
-                    found.append((label + (f"[{path}]" if path else ""), array))
-    return found
+    if jit is None:
+        return step
+    return tf.function(step, jit_compile=jit, reduce_retracing=True)
 
 
 def _input_diagnosis(index, bad, compiled) -> Diagnosis:
@@ -451,7 +384,7 @@ def _mode_names(jit: bool) -> str:
 
 
 def _diagnose_batch(model, loss_fn, index, x, y_true, weights, compiled, jit, fallback, losses_before):
-    bad_data = _nonfinite_data((x, y_true, weights))
+    bad_data = nonfinite_data((x, y_true, weights))
     if bad_data:
         return _input_diagnosis(index, bad_data, compiled)
     weights_found = _weights_diagnosis(model, index, compiled, losses_before)
@@ -460,10 +393,15 @@ def _diagnose_batch(model, loss_fn, index, x, y_true, weights, compiled, jit, fa
     tracer, loss_finite, bad_variables = rerun(model, loss_fn, x, y_true, weights)
     eager_nonfinite = (not loss_finite) or bool(bad_variables)
     disagreement = None
-    if fallback is not None:
+    if fallback == "XLA":
         disagreement = (
             f"the XLA-compiled step is finite on batch {index}; the step without XLA and the op-by-op "
             "re-run are not (XLA rewrites this computation: with jit_compile=False the NaN appears)"
+        )
+    elif fallback == "graph":
+        disagreement = (
+            f"the compiled step ({'XLA and ' if jit else ''}graph) is finite on batch {index}; run "
+            "eagerly, op by op (as a custom eager loop runs it), it is not"
         )
     if not eager_nonfinite:
         cause = CAUSES["compiled_only"]
@@ -497,6 +435,10 @@ def _diagnose_batch(model, loss_fn, index, x, y_true, weights, compiled, jit, fa
             cause="unclassified", fix=cause.fix, section=cause.section, mode_disagreement=disagreement,
             symptom=_symptom({"loss": not loss_finite}),
         )
+    return from_event(event, tracer, index, tuple(bad_variables), disagreement, loss_finite, losses_before)
+
+
+def from_event(event, tracer, index, variables, disagreement, loss_finite, losses_before) -> Diagnosis:
     name, summary = classify(event, tracer.masked_selects, loss_finite=loss_finite)
     if name in ("overflow", "inf_arithmetic", "unclassified") and grew(list(losses_before)):
         name = "divergence"
@@ -519,7 +461,7 @@ def _diagnose_batch(model, loss_fn, index, x, y_true, weights, compiled, jit, fa
         forward_op=event.forward_type,
         layer=where.layer,
         source=f"{where.filename}:{where.lineno}" if where.filename else None,
-        variables=tuple(bad_variables),
+        variables=tuple(variables),
         dtype=dtype_name(value),
         inputs_summary=summary,
         cause=name,

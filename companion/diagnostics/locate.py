@@ -86,8 +86,8 @@ class NonFiniteLocation:
         if self.layer:
             lines.append(f"  layer:     {self.layer}")
         if self.filename is not None:
-            label = "forward op" if self.gradient_of else "user code"
-            lines.append(f"  {label + ':':<10} {os.path.basename(self.filename)}:{self.lineno}: {self.source}")
+            label = "forward:  " if self.gradient_of else "user code:"
+            lines.append(f"  {label} {os.path.basename(self.filename)}:{self.lineno}: {self.source}")
         if self.gradient_filename is not None:
             name = os.path.basename(self.gradient_filename)
             lines.append(f"  gradient:  {name}:{self.gradient_lineno}")

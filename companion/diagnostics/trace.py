@@ -144,12 +144,15 @@ class OpTracer:
         self._count += 1
         frame = sys._getframe(1)
         backprop = _tf_internals.backprop_forward_op(frame)
+        stage = self.stage
+        if backprop is None and stage != "backward" and _tf_internals.in_backprop(frame):
+            stage = "backward"  # e.g. the tape adding up the gradients of a shared tensor
         layer, filename, lineno = where_in_user_code(frame)
         values = [_numeric(t) for t in outputs]
         nonfinite = any(v is not None and v.size and nonfinite_mask(v).any() for v in values)
         record = OpRecord(
             op_type=op_type,
-            stage=self.stage if backprop is None else "backward",
+            stage=stage if backprop is None else "backward",
             scope=tf.get_current_name_scope(),
             layer=layer,
             filename=filename,
@@ -158,16 +161,16 @@ class OpTracer:
             nonfinite=nonfinite,
         )
         forward = None
-        if backprop is None and op_type in ("Select", "SelectV2") and not nonfinite:
+        if backprop is None and stage != "backward" and op_type in ("Select", "SelectV2") and not nonfinite:
             branches = record.inputs[1:3]
             if any(v is not None and v.size and nonfinite_mask(v).any() for v in branches):
                 self.masked_selects.append(record)  # a tf.where that drops a NaN/Inf
-        if backprop is None:
+        if backprop is None and stage != "backward":
             self._alive.extend(outputs)
             for tensor in outputs:
                 self._by_output[id(tensor)] = record
             self._by_type.setdefault(op_type, []).append(record)
-        elif nonfinite:
+        elif nonfinite and backprop is not None:
             forward = self._forward_record(backprop)
         if nonfinite and len(self.events) < self.max_events:
             event = OpEvent(
