@@ -7,7 +7,7 @@ code:
 * **The survey.** :func:`load_reports` reads ``companion/data/nan_reports.csv``: public NaN
   reports (TensorFlow, Keras and other projects' issue trackers, Q&A pages, forums and
   blogs), each with its URL, the pattern it shows (a row of the checklist) and its cause,
-  named as :data:`companion.diagnostics.CAUSES` names causes. :func:`cause_counts` and
+  named as ``companion.diagnostics.CAUSES`` names causes. :func:`cause_counts` and
   :func:`pattern_counts` count them, so the chapter's table is computed, not typed.
 * **The cases.** :data:`CASES` holds one :class:`Case` per row of the checklist: a point,
   the naive computation that fails there, and the fix. :func:`check_case` evaluates both
@@ -26,7 +26,7 @@ import csv
 import dataclasses
 import math
 import pathlib
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import keras
 import numpy as np
@@ -84,7 +84,8 @@ PATTERNS: dict[str, str] = {
 }
 
 
-class Report(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class Report:
     """One public NaN report of the survey.
 
     Attributes:
@@ -93,7 +94,7 @@ class Report(NamedTuple):
             ``pytorch``, ``jax``, ...).
         kind: ``issue``, ``qa``, ``forum`` or ``blog``.
         pattern: the checklist row it belongs to, a key of :data:`PATTERNS`.
-        cause: the cause, a name of :data:`companion.diagnostics.CAUSES`
+        cause: the cause, a name of ``companion.diagnostics.CAUSES``
             (``compiled_only`` for a NaN that only compiled code makes), or
             ``unresolved`` when the thread never found it.
         basis: ``stated`` when the reporter or a maintainer names the mechanism in the
@@ -195,7 +196,7 @@ class Case:
         name: short name of the row.
         pattern: the survey pattern it stands for, a key of :data:`PATTERNS`.
         cause: the cause the NaN doctor names for the naive form (a name of
-            :data:`companion.diagnostics.CAUSES`).
+            ``companion.diagnostics.CAUSES``).
         point: the input, a list of floats (``float32``; ``float16`` for the
             ``float16`` row).
         naive: the computation as it is usually written, a function of one tensor
@@ -215,7 +216,8 @@ class Case:
     dtype: str = "float32"
 
 
-class CaseResult(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class CaseResult:
     """What :func:`check_case` measured: finiteness of value and gradient, naive and fixed.
 
     Attributes:

@@ -13,8 +13,9 @@ the fix the thread arrived at (or the book's, where the thread did not).
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import keras
 import numpy as np
@@ -25,7 +26,8 @@ from companion.numerics import double_where
 __all__ = ["REPORTS", "Rebuild", "ReportInfo", "rebuild", "run_as_reported"]
 
 
-class ReportInfo(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class ReportInfo:
     """A public report the chapter rebuilds.
 
     Attributes:
@@ -34,7 +36,7 @@ class ReportInfo(NamedTuple):
         mode: how the reporter trained: ``"fit"``, ``"fit, XLA"`` (``jit_compile=True``),
             ``"eager loop"`` or ``"tf.function loop"``.
         cause: the cause the doctor names (a key of
-            :data:`companion.diagnostics.CAUSES`).
+            ``companion.diagnostics.CAUSES``).
     """
 
     title: str
@@ -43,7 +45,8 @@ class ReportInfo(NamedTuple):
     cause: str
 
 
-class Rebuild(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class Rebuild:
     """A rebuilt failure: the model, the data and the loss, ready to train or diagnose.
 
     Attributes:
@@ -63,6 +66,7 @@ class Rebuild(NamedTuple):
     epochs: int
 
 
+#: The rebuilt reports by key, in the order the chapter shows them.
 REPORTS: dict[str, ReportInfo] = {
     "angular_distance": ReportInfo(
         "BinaryCrossentropy NaN for an angular distance",
