@@ -338,6 +338,10 @@ class Table:
         self.caption = caption
 
     def _repr_html_(self) -> str:
+        return self.html()
+
+    def html(self) -> str:
+        """The table as HTML, in the book's style (what Jupyter and the book render)."""
         columns = len(self.header) if self.header else (len(self.rows[0]) if self.rows else 0)
         numeric_column = [
             all(_is_numeric(row[i]) for row in self.rows if row[i]) and any(row[i] for row in self.rows)

@@ -143,7 +143,7 @@ class GradientReport(tuple):
             )
             for r in self
         ]
-        return html_table(rows, ["variable", "shape", "NaN", "Inf", "max |finite|"])._repr_html_()
+        return html_table(rows, ["variable", "shape", "NaN", "Inf", "max |finite|"]).html()
 
 
 def _format_float(value: float | None) -> str:

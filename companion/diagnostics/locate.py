@@ -113,7 +113,7 @@ class NonFiniteLocation:
             rows.append(("forward op's line" if self.gradient_of else "user code", where))
         if self.gradient_filename is not None:
             rows.append(("tape.gradient", f"{os.path.basename(self.gradient_filename)}:{self.gradient_lineno}"))
-        return html_table(rows, ["", "first non-finite value"])._repr_html_()
+        return html_table(rows, ["", "first non-finite value"]).html()
 
 
 def count_nonfinite(array: np.ndarray) -> tuple[int, int]:
