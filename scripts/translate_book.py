@@ -1,0 +1,527 @@
+"""Write the Chinese edition (简体中文版) of the book from the English sources and the stored translations.
+
+    python scripts/translate_book.py             # write zh/ (fails, naming each cell, on a missing or stale translation)
+    python scripts/translate_book.py --check     # write nothing; fail if zh/ is not what this script would write
+    python scripts/translate_book.py --stale     # list every missing or stale translation, with the English it needs
+    python scripts/translate_book.py --export book/case_a/reproduce.ipynb > units.txt      # the English units, to translate
+    python scripts/translate_book.py --import book/case_a/reproduce.ipynb < units.zh.txt   # store translations
+
+One set of chapters, two languages. Every page of the book (each source that ``_toc.yml`` lists) has a
+translation store beside it, ``<page>.zh.json`` (``book/case_a/reproduce.ipynb`` ->
+``book/case_a/reproduce.zh.json``). It holds one entry per *unit* of English text: a markdown cell of a notebook
+(keyed by the cell's id) or a block of a markdown page (keyed ``b<index>``; blocks are separated by blank lines,
+fenced code blocks kept whole). Each entry keeps the SHA-256 of the English text it translates, that English text
+(so that ``--stale`` can show what changed), and the Chinese text. ``_site.zh.json`` at the root holds the book's
+title, the part captions of ``_toc.yml`` and the footer.
+
+The Chinese tree mirrors the English one under ``zh/`` (``zh/book/case_a/reproduce.ipynb``), so that every page
+has the same path in both editions (the built site puts the Chinese one under ``zh/``):
+
+- a notebook is the English notebook with each markdown cell's source replaced by its translation: code cells,
+  their outputs, execution counts and every metadata field are the English notebook's, byte for byte (the file is
+  written exactly as nbformat writes the English one);
+- a markdown page is the translations of its blocks, joined as the English blocks are;
+- ``zh/_config.yml`` is ``_config.yml`` with the Chinese title, ``language: zh_CN``, the site's URLs under
+  ``zh/`` and the paths made relative to ``zh/``; ``zh/_toc.yml`` is ``_toc.yml`` with Chinese captions and
+  the glossary page (``book/glossary.zh.md``, written in Chinese only) added;
+- ``book/references.bib`` is copied.
+
+A unit's translation is looked up by its key and the hash of its current English text; failing that, by the hash
+alone (a cell that moved, a block that shifted). When neither matches, the translation is *missing* (no entry for
+the key) or *stale* (the English changed after it was translated), and writing fails naming the page and the
+cell. ``tests/test_translations.py`` checks the same and that the Chinese notebooks' code and outputs are the
+English ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import difflib
+import hashlib
+import json
+import os
+import pathlib
+import re
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import book_tools  # noqa: E402
+
+ROOT = book_tools.ROOT
+ZH = ROOT / "zh"
+SITE_STORE = ROOT / "_site.zh.json"
+GLOSSARY_SOURCE = ROOT / "book" / "glossary.zh.md"
+GLOSSARY_DOC = "book/glossary"
+COPIED = ("book/references.bib",)
+STORE_SUFFIX = ".zh.json"
+MARKER = "%%% unit "  # the line that opens a unit in --export/--import files
+
+
+def sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """One translatable piece of English text of a page."""
+
+    key: str  # a notebook cell's id, or b<index> for a block of a markdown page
+    index: int  # the cell's index in the notebook, or the block's index in the page
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """A unit of English text without a current translation."""
+
+    page: str  # path of the English source, relative to ROOT
+    unit: Unit
+    kind: str  # "missing" or "stale"
+    old_english: str | None = None  # what the stored translation translates, for a stale one
+
+    def __str__(self) -> str:
+        where = f"cell {self.unit.index} (id {self.unit.key})" if self.unit.key[:1] != "b" or self.page.endswith(
+            ".ipynb") else f"block {self.unit.index}"
+        if self.page == SITE_STORE.name:
+            where = f"site string {self.unit.key!r}"
+        first = next((line for line in self.unit.text.splitlines() if line.strip()), "")[:70]
+        return f"{self.page}: {where}: {self.kind} translation: {first!r}"
+
+
+# --- the English units -------------------------------------------------------------------------------------------
+
+def english_pages() -> list[pathlib.Path]:
+    """The source of every page of the English book, in reading order."""
+    return book_tools.toc_sources()
+
+
+def read_notebook(path: pathlib.Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def md_blocks(text: str) -> list[tuple[str, str]]:
+    """A markdown page split into blocks at blank lines, a fenced block (``` or :::) kept whole.
+
+    Returns (block, separator) pairs: the separator is the exact text between a block and the next
+    (newlines), so that joining ``block + separator`` gives the page back byte for byte.
+    """
+    pieces: list[tuple[str, str]] = []
+    current: list[str] = []
+    blanks = 0
+    fence = None
+    lines = text.split("\n")
+    for number, line in enumerate(lines):
+        stripped = line.strip()
+        if fence is None and stripped == "":
+            blanks += 1
+            continue
+        if blanks and current:
+            pieces.append(("\n".join(current), "\n" * (blanks + 1)))
+            current = []
+        elif blanks and not current:
+            pieces.append(("", "\n" * blanks))
+        blanks = 0
+        current.append(line)
+        if fence is None:
+            match = re.match(r"(`{3,}|:{3,})", stripped)
+            if match:
+                fence = match.group(1)
+        elif set(stripped) == {fence[0]} and len(stripped) >= len(fence):
+            fence = None
+    if current:
+        pieces.append(("\n".join(current), "\n" * blanks))
+    elif blanks:
+        pieces.append(("", "\n" * blanks))
+    return pieces
+
+
+def join_md_blocks(pieces: list[tuple[str, str]]) -> str:
+    return "".join(block + separator for block, separator in pieces)
+
+
+def units_of(page: pathlib.Path) -> list[Unit]:
+    """The translatable units of an English page."""
+    if page.suffix == ".ipynb":
+        nb = read_notebook(page)
+        return [
+            Unit(cell["id"], i, "".join(cell["source"]))
+            for i, cell in enumerate(nb["cells"]) if cell["cell_type"] == "markdown"
+        ]
+    text = page.read_text(encoding="utf-8")
+    return [Unit(f"b{i}", i, block) for i, (block, _) in enumerate(md_blocks(text)) if block.strip()]
+
+
+def site_units() -> list[Unit]:
+    """The book's own strings outside its pages: title, footer, the part captions of _toc.yml."""
+    import yaml
+
+    config = yaml.safe_load((ROOT / "_config.yml").read_text())
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    units = [Unit("title", 0, config["title"]), Unit("footer", 1, (config.get("html") or {}).get("extra_footer", ""))]
+    for i, part in enumerate(toc.get("parts", [])):
+        units.append(Unit(f"caption{i}", 2 + i, part["caption"]))
+    return units
+
+
+# --- the stores -----------------------------------------------------------------------------------------------
+
+def rel(path: pathlib.Path) -> str:
+    path = path.resolve()
+    return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
+
+
+def store_path(page: pathlib.Path) -> pathlib.Path:
+    return page.with_name(page.stem + STORE_SUFFIX)
+
+
+def load_store(path: pathlib.Path) -> dict:
+    if not path.exists():
+        return {"units": {}}
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def save_store(path: pathlib.Path, source: str, entries: dict) -> None:
+    data = {
+        "source": source,
+        "about": "Chinese translations of the units of `source`, keyed by cell id (notebook) or block index "
+                 "(markdown page); en_sha256 is the hash of the English text translated. "
+                 "Written by scripts/translate_book.py --import.",
+        "units": entries,
+    }
+    path.write_text(json.dumps(data, ensure_ascii=False, indent=1, sort_keys=False) + "\n", encoding="utf-8")
+
+
+def lookup(entries: dict, unit: Unit) -> tuple[str | None, Problem | None, str]:
+    """The translation of ``unit``, or the problem; the third value is the page name for the problem."""
+    digest = sha256(unit.text)
+    entry = entries.get(unit.key)
+    if entry is not None and entry["en_sha256"] == digest:
+        return entry["zh"], None, ""
+    for other in entries.values():
+        if other["en_sha256"] == digest:
+            return other["zh"], None, ""
+    if entry is None:
+        return None, ("missing", None), ""
+    return None, ("stale", entry.get("en")), ""
+
+
+def translations(page: pathlib.Path | None) -> tuple[dict[str, str], list[Problem]]:
+    """Every unit key of ``page`` (None: the site strings) mapped to its translation, and the problems."""
+    units = site_units() if page is None else units_of(page)
+    store = load_store(SITE_STORE if page is None else store_path(page))
+    name = SITE_STORE.name if page is None else rel(page)
+    found, problems = {}, []
+    for unit in units:
+        zh, problem, _ = lookup(store["units"], unit)
+        if problem is None:
+            found[unit.key] = zh
+        else:
+            problems.append(Problem(name, unit, problem[0], problem[1]))
+    return found, problems
+
+
+def all_problems() -> list[Problem]:
+    problems = translations(None)[1]
+    for page in english_pages():
+        problems.extend(translations(page)[1])
+    return problems
+
+
+# --- the Chinese tree ------------------------------------------------------------------------------------------
+
+class Untranslated(Exception):
+    def __init__(self, problems: list[Problem]):
+        super().__init__("\n".join(map(str, problems)))
+        self.problems = problems
+
+
+def zh_path(page: pathlib.Path) -> pathlib.Path:
+    """Where the Chinese twin of an English source (a path under ROOT) is written."""
+    return ZH / page.resolve().relative_to(ROOT)
+
+
+def english_path(zh_page: pathlib.Path) -> pathlib.Path:
+    return ROOT / zh_page.resolve().relative_to(ZH)
+
+
+def chinese_notebook_text(page: pathlib.Path, found: dict[str, str]) -> str:
+    import nbformat
+
+    nb = read_notebook(page)
+    zh = copy.deepcopy(nb)
+    for cell in zh["cells"]:
+        if cell["cell_type"] == "markdown":
+            cell["source"] = found[cell["id"]].splitlines(keepends=True)
+    return nbformat.writes(nbformat.from_dict(zh)) + "\n"
+
+
+def chinese_page_text(page: pathlib.Path, found: dict[str, str]) -> str:
+    pieces = md_blocks(page.read_text(encoding="utf-8"))
+    return join_md_blocks([(found.get(f"b{i}", block) if block.strip() else block, separator)
+                           for i, (block, separator) in enumerate(pieces)])
+
+
+def _yaml_dump(data) -> str:
+    import yaml
+
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    def text(dumper, value):
+        style = "|" if "\n" in value else None
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+    Dumper.add_representer(str, text)
+    return yaml.dump(data, Dumper=Dumper, allow_unicode=True, sort_keys=False, width=100)
+
+
+def _relative_to_zh(value: str) -> str:
+    return os.path.relpath(ROOT / value, ZH).replace(os.sep, "/")
+
+
+def chinese_config_text(site: dict[str, str]) -> str:
+    import yaml
+
+    config = yaml.safe_load((ROOT / "_config.yml").read_text())
+    config["title"] = site["title"]
+    config["exclude_patterns"] = ["_build", "**/.ipynb_checkpoints"]
+    repo = config.setdefault("repository", {})
+    repo["path_to_book"] = "/".join(p for p in ((repo.get("path_to_book") or "").strip("/"), "zh") if p)
+    html = config.setdefault("html", {})
+    if html.get("baseurl"):
+        html["baseurl"] = html["baseurl"].rstrip("/") + "/zh/"
+    if site.get("footer"):
+        html["extra_footer"] = site["footer"]
+    sphinx = config.setdefault("sphinx", {})
+    extensions = sphinx.get("local_extensions") or {}
+    sphinx["local_extensions"] = {name: _relative_to_zh(path) for name, path in extensions.items()}
+    cfg = sphinx.setdefault("config", {})
+    cfg["language"] = "zh_CN"
+    for key in ("html_static_path", "templates_path", "html_extra_path"):
+        if key in cfg:
+            cfg[key] = [_relative_to_zh(p) for p in cfg[key]]
+    for key in ("html_logo", "html_favicon"):
+        if cfg.get(key) and "://" not in cfg[key]:
+            cfg[key] = _relative_to_zh(cfg[key])
+    if cfg.get("ogp_site_url"):
+        cfg["ogp_site_url"] = cfg["ogp_site_url"].rstrip("/") + "/zh/"
+    if "ogp_site_name" in cfg:
+        cfg["ogp_site_name"] = site["title"]
+    header = (
+        "# GENERATED by scripts/translate_book.py from _config.yml: do not edit (edit _config.yml, or the\n"
+        "# translations in _site.zh.json, and run the script). The Chinese edition is built into\n"
+        "# _build/html/zh/ by the English build (scripts/zh_edition.py).\n"
+    )
+    return header + _yaml_dump(config)
+
+
+def chinese_toc_text(site: dict[str, str]) -> str:
+    import yaml
+
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    for i, part in enumerate(toc.get("parts", [])):
+        part["caption"] = site[f"caption{i}"]
+    if toc.get("parts"):
+        toc["parts"][-1].setdefault("chapters", []).append({"file": GLOSSARY_DOC})
+    header = "# GENERATED by scripts/translate_book.py from _toc.yml (captions from _site.zh.json): do not edit.\n"
+    return header + _yaml_dump(toc)
+
+
+def chinese_tree(draft: bool = False) -> dict[pathlib.Path, bytes]:
+    """Every file of zh/, as this script writes it.
+
+    Args:
+        draft: put the English text where a translation is missing or stale, instead of failing (to try a
+            build while translating; never commit a draft: ``--check`` and the tests fail on it).
+
+    Raises:
+        Untranslated: naming every unit without a current translation.
+    """
+    files: dict[pathlib.Path, bytes] = {}
+    site, problems = translations(None)
+    if draft:
+        site.update({p.unit.key: p.unit.text for p in problems})
+        problems = []
+    for page in english_pages():
+        found, page_problems = translations(page)
+        if draft:
+            found.update({p.unit.key: p.unit.text for p in page_problems})
+            page_problems = []
+        problems.extend(page_problems)
+        if page_problems:
+            continue
+        if page.suffix == ".ipynb":
+            text = chinese_notebook_text(page, found)
+        else:
+            text = chinese_page_text(page, found)
+        files[zh_path(page)] = text.encode("utf-8")
+    if problems:
+        raise Untranslated(problems)
+    files[ZH / "_config.yml"] = chinese_config_text(site).encode("utf-8")
+    files[ZH / "_toc.yml"] = chinese_toc_text(site).encode("utf-8")
+    files[ZH / (GLOSSARY_DOC + ".md")] = GLOSSARY_SOURCE.read_bytes()
+    for name in COPIED:
+        files[ZH / name] = (ROOT / name).read_bytes()
+    return files
+
+
+def generated_files_on_disk() -> set[pathlib.Path]:
+    return {
+        p for p in ZH.rglob("*")
+        if p.is_file() and "_build" not in p.parts and ".ipynb_checkpoints" not in p.parts
+    }
+
+
+def differences() -> list[str]:
+    """The files of zh/ that differ from what this script writes (Untranslated if it cannot write them)."""
+    files = chinese_tree()
+    out = []
+    for path, data in sorted(files.items()):
+        if not path.exists():
+            out.append(f"{rel(path)}: missing")
+        elif path.read_bytes() != data:
+            out.append(f"{rel(path)}: differs from what scripts/translate_book.py writes")
+    for path in sorted(generated_files_on_disk() - set(files)):
+        out.append(f"{rel(path)}: not written by scripts/translate_book.py (left over?)")
+    return out
+
+
+def write_tree(draft: bool = False) -> list[pathlib.Path]:
+    files = chinese_tree(draft)
+    written = []
+    for path, data in files.items():
+        if not path.exists() or path.read_bytes() != data:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+            written.append(path)
+    for path in generated_files_on_disk() - set(files):
+        path.unlink()
+        written.append(path)
+    return written
+
+
+# --- export / import of units for translating -------------------------------------------------------------------
+
+def _page_arg(name: str) -> pathlib.Path | None:
+    if name in ("site", SITE_STORE.name):
+        return None
+    path = (ROOT / name).resolve() if not pathlib.Path(name).is_absolute() else pathlib.Path(name)
+    if path not in [p.resolve() for p in english_pages()]:
+        raise SystemExit(f"{name}: not a page of _toc.yml (or 'site')")
+    return path
+
+
+def export_units(page: pathlib.Path | None, only_problems: bool) -> str:
+    units = site_units() if page is None else units_of(page)
+    problems = {p.unit.key for p in translations(page)[1]}
+    parts = []
+    for unit in units:
+        if only_problems and unit.key not in problems:
+            continue
+        parts.append(f"{MARKER}{unit.key}\n{unit.text}\n")
+    return "".join(parts)
+
+
+def parse_units(text: str) -> dict[str, str]:
+    out, key, lines = {}, None, []
+    for line in text.split("\n"):
+        if line.startswith(MARKER):
+            if key is not None:
+                out[key] = "\n".join(lines).rstrip("\n")
+            key, lines = line[len(MARKER):].strip(), []
+        elif key is not None:
+            lines.append(line)
+    if key is not None:
+        out[key] = "\n".join(lines).rstrip("\n")
+    return out
+
+
+def import_units(page: pathlib.Path | None, text: str) -> int:
+    units = {u.key: u for u in (site_units() if page is None else units_of(page))}
+    path = SITE_STORE if page is None else store_path(page)
+    store = load_store(path)
+    entries = store["units"]
+    new = parse_units(text)
+    unknown = sorted(set(new) - set(units))
+    if unknown:
+        raise SystemExit(f"{path.name}: no English unit with the keys {unknown}")
+    for key, zh in new.items():
+        if page is not None and page.suffix == ".md" and units[key].text.strip() and not zh.strip():
+            raise SystemExit(f"{path.name}: empty translation for {key}")
+        entries[key] = {"en_sha256": sha256(units[key].text), "en": units[key].text, "zh": zh}
+    ordered = {k: entries[k] for k in units if k in entries}
+    ordered.update({k: v for k, v in entries.items() if k not in ordered})  # kept: an old cell may come back
+    save_store(path, SITE_STORE.name if page is None else rel(page), ordered)
+    return len(new)
+
+
+def prune_stores() -> None:
+    """Drop stored entries whose key no longer exists and whose hash matches no current unit."""
+    for page in [None, *english_pages()]:
+        units = site_units() if page is None else units_of(page)
+        path = SITE_STORE if page is None else store_path(page)
+        if not path.exists():
+            continue
+        store = load_store(path)
+        keys, hashes = {u.key for u in units}, {sha256(u.text) for u in units}
+        kept = {k: v for k, v in store["units"].items() if k in keys or v["en_sha256"] in hashes}
+        if kept != store["units"]:
+            save_store(path, store.get("source", path.name), kept)
+
+
+def stale_report() -> str:
+    lines = []
+    for problem in all_problems():
+        lines.append(str(problem))
+        if problem.old_english is not None:
+            diff = difflib.unified_diff(problem.old_english.splitlines(), problem.unit.text.splitlines(),
+                                        "translated English", "current English", lineterm="", n=1)
+            lines.extend("    " + line for line in diff)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--check", action="store_true", help="write nothing; fail if zh/ is out of date")
+    group.add_argument("--stale", action="store_true", help="list missing and stale translations, with diffs")
+    group.add_argument("--export", metavar="PAGE", help="print the English units of PAGE (or 'site')")
+    group.add_argument("--import", dest="import_", metavar="PAGE", help="store the translations read from stdin")
+    group.add_argument("--prune", action="store_true", help="drop stored translations of units that are gone")
+    parser.add_argument("--draft", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--todo", action="store_true", help="with --export: only the missing and stale units")
+    args = parser.parse_args(argv)
+    if args.export:
+        sys.stdout.write(export_units(_page_arg(args.export), args.todo))
+        return 0
+    if args.import_:
+        count = import_units(_page_arg(args.import_), sys.stdin.read())
+        print(f"stored {count} translations for {args.import_}")
+        return 0
+    if args.prune:
+        prune_stores()
+        return 0
+    if args.stale:
+        report = stale_report()
+        print(report or "every unit of English text has a current translation")
+        return 1 if report else 0
+    try:
+        if args.check:
+            diffs = differences()
+            print("\n".join(diffs) or "zh/ is up to date")
+            return 1 if diffs else 0
+        written = write_tree(args.draft)
+    except Untranslated as error:
+        print(f"{len(error.problems)} units of English text have no current translation "
+              "(see `python scripts/translate_book.py --stale`):", file=sys.stderr)
+        print(str(error), file=sys.stderr)
+        return 1
+    for path in written:
+        print(f"wrote {rel(path)}" if path.exists() else f"removed {rel(path)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
