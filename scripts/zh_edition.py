@@ -139,7 +139,7 @@ def build_chinese(app: Sphinx, exception: Exception | None) -> None:
                "--path-output", str(work)]
     if not os.path.exists(command[0]):
         command[0:1] = [sys.executable, "-m", "jupyter_book.cli.main"]
-    if app.warningiserror:
+    if app.warningiserror or app.keep_going:  # Sphinx sets keep_going only with -W (and then clears warningiserror)
         command.append("-W")
     if app.config.nitpicky:
         command.append("-n")
