@@ -159,8 +159,18 @@ def build_chinese(app: Sphinx, exception: Exception | None) -> None:
     logger.info("the Chinese edition is in %s (%.0f s)", target, time.perf_counter() - start)
 
 
+#: The theme strings that come from the book's configuration, not from the theme's translations.
+ZH_THEME_OPTIONS = {"search_bar_text": "搜索本书……"}
+
+
+def translate_theme_options(app: Sphinx, config) -> None:
+    if _is_zh(app):
+        config.html_theme_options = {**(config.html_theme_options or {}), **ZH_THEME_OPTIONS}
+
+
 def setup(app: Sphinx) -> dict:
     app.add_search_language(BigramChinese)
+    app.connect("config-inited", translate_theme_options)
     app.connect("html-page-context", add_language_link, priority=900)
     app.connect("build-finished", build_chinese)
     return {"parallel_read_safe": True, "parallel_write_safe": True, "version": "1"}

@@ -193,7 +193,8 @@ def test_the_chinese_intro_says_that_outputs_stay_in_english():
 def test_nbval_collects_the_english_notebooks_and_no_chinese_one():
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "--nbval",
-         "--nbval-current-env", "--no-header", "-o", "addopts=", str(book_tools.ROOT)],
+         "--nbval-current-env", "--no-header", "-o", "addopts=", "--ignore=tests", "--ignore=benchmarks",
+         str(book_tools.ROOT)],
         cwd=book_tools.ROOT, capture_output=True, text=True, timeout=600,
     )
     items = [line for line in result.stdout.splitlines() if "::" in line]
