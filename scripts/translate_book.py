@@ -11,7 +11,8 @@ translation store beside it, ``<page>.zh.json`` (``book/case_a/reproduce.ipynb``
 ``book/case_a/reproduce.zh.json``). It holds one entry per *unit* of English text: a markdown cell of a notebook
 (keyed by the cell's id) or a block of a markdown page (keyed ``b<index>``; blocks are separated by blank lines,
 fenced code blocks kept whole). Each entry keeps the SHA-256 of the English text it translates, that English text
-(so that ``--stale`` can show what changed), and the Chinese text. ``_site.zh.json`` at the root holds the book's
+(so that ``--stale`` can show what changed), and the Chinese text; the repository's and the book's URLs are kept as
+placeholders, so that a fork's other ``repository.url`` needs no new translation. ``_site.zh.json`` at the root holds the book's
 title, the part captions of ``_toc.yml`` and the footer.
 
 The Chinese tree mirrors the English one under ``zh/`` (``zh/book/case_a/reproduce.ipynb``), so that every page
@@ -62,6 +63,26 @@ SAME = "="  # a unit imported as this one line is stored as its English text (co
 
 def sha256(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _site_urls() -> list[tuple[str, str]]:
+    """The repository's and the book's URL (from _config.yml), each with the placeholder the stores use."""
+    url = book_tools.repository_url()
+    return [(url, "<<REPOSITORY_URL>>"), (book_tools.pages_url(url), "<<PAGES_URL>>")]
+
+
+def normalize(text: str) -> str:
+    """``text`` with the site's URLs as placeholders: the stores hash and keep this form, so that a fork
+    (another ``repository.url``, links rewritten by ``refresh_notebooks.py``) needs no new translation."""
+    for real, placeholder in _site_urls():
+        text = text.replace(real, placeholder)
+    return text
+
+
+def denormalize(text: str) -> str:
+    for real, placeholder in _site_urls():
+        text = text.replace(placeholder, real)
+    return text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,16 +217,16 @@ def save_store(path: pathlib.Path, source: str, entries: dict) -> None:
 
 def lookup(entries: dict, unit: Unit) -> tuple[str | None, Problem | None, str]:
     """The translation of ``unit``, or the problem; the third value is the page name for the problem."""
-    digest = sha256(unit.text)
+    digest = sha256(normalize(unit.text))
     entry = entries.get(unit.key)
     if entry is not None and entry["en_sha256"] == digest:
-        return entry["zh"], None, ""
+        return denormalize(entry["zh"]), None, ""
     for other in entries.values():
         if other["en_sha256"] == digest:
-            return other["zh"], None, ""
+            return denormalize(other["zh"]), None, ""
     if entry is None:
         return None, ("missing", None), ""
-    return None, ("stale", entry.get("en")), ""
+    return None, ("stale", denormalize(entry.get("en", ""))), ""
 
 
 def translations(page: pathlib.Path | None) -> tuple[dict[str, str], list[Problem]]:
@@ -456,7 +477,8 @@ def import_units(page: pathlib.Path | None, text: str) -> int:
             zh = units[key].text
         if page is not None and page.suffix == ".md" and units[key].text.strip() and not zh.strip():
             raise SystemExit(f"{path.name}: empty translation for {key}")
-        entries[key] = {"en_sha256": sha256(units[key].text), "en": units[key].text, "zh": zh}
+        en = normalize(units[key].text)
+        entries[key] = {"en_sha256": sha256(en), "en": en, "zh": normalize(zh)}
     ordered = {k: entries[k] for k in units if k in entries}
     ordered.update({k: v for k, v in entries.items() if k not in ordered})  # kept: an old cell may come back
     save_store(path, SITE_STORE.name if page is None else rel(page), ordered)
@@ -471,7 +493,7 @@ def prune_stores() -> None:
         if not path.exists():
             continue
         store = load_store(path)
-        keys, hashes = {u.key for u in units}, {sha256(u.text) for u in units}
+        keys, hashes = {u.key for u in units}, {sha256(normalize(u.text)) for u in units}
         kept = {k: v for k, v in store["units"].items() if k in keys or v["en_sha256"] in hashes}
         if kept != store["units"]:
             save_store(path, store.get("source", path.name), kept)

@@ -230,3 +230,24 @@ def test_a_changed_english_cell_is_reported_stale_and_a_new_one_missing(tmp_path
     assert problems[0].old_english == "# Title\n\nSome text."
     with pytest.raises(translate_book.Untranslated, match="cell 1 \\(id m2\\): missing"):
         translate_book.chinese_tree()
+
+
+def test_a_fork_with_another_repository_url_needs_no_new_translation(monkeypatch):
+    """refresh_notebooks.py rewrites the repository's URLs in the English pages of a fork; the stores keep
+    the URLs as placeholders, so the translations stay current and carry the fork's URLs."""
+    page = PAGES[0]
+    original, fork = book_tools.repository_url(), "https://github.com/someone-else/nan-fork"
+    found, problems = translate_book.translations(page)
+    assert not problems and any(original in zh for zh in found.values()), "the intro names the repository"
+    units = translate_book.units_of(page)
+    rewritten = [
+        translate_book.Unit(u.key, u.index, u.text.replace(original, fork).replace(
+            book_tools.pages_url(original), book_tools.pages_url(fork)))
+        for u in units
+    ]
+    monkeypatch.setattr(book_tools, "repository_url", lambda: fork)
+    monkeypatch.setattr(translate_book, "units_of", lambda _page: rewritten)
+    found_fork, problems = translate_book.translations(page)
+    assert not problems, "\n".join(map(str, problems))
+    assert not any(original in zh for zh in found_fork.values())
+    assert any(fork in zh for zh in found_fork.values())
