@@ -102,6 +102,7 @@ class Problem:
     unit: Unit
     kind: str  # "missing" or "stale"
     old_english: str | None = None  # what the stored translation translates, for a stale one
+    old_chinese: str | None = None  # the stored translation, for a stale one
 
     def __str__(self) -> str:
         where = f"cell {self.unit.index} (id {self.unit.key})" if self.unit.key[:1] != "b" or self.page.endswith(
@@ -225,8 +226,8 @@ def lookup(entries: dict, unit: Unit) -> tuple[str | None, Problem | None, str]:
         if other["en_sha256"] == digest:
             return denormalize(other["zh"]), None, ""
     if entry is None:
-        return None, ("missing", None), ""
-    return None, ("stale", denormalize(entry.get("en", ""))), ""
+        return None, ("missing",), ""
+    return None, ("stale", denormalize(entry.get("en", "")), denormalize(entry["zh"])), ""
 
 
 def translations(page: pathlib.Path | None) -> tuple[dict[str, str], list[Problem]]:
@@ -240,7 +241,7 @@ def translations(page: pathlib.Path | None) -> tuple[dict[str, str], list[Proble
         if problem is None:
             found[unit.key] = zh
         else:
-            problems.append(Problem(name, unit, problem[0], problem[1]))
+            problems.append(Problem(name, unit, *problem))
     return found, problems
 
 
@@ -358,8 +359,8 @@ def chinese_tree(draft: bool = False) -> dict[pathlib.Path, bytes]:
     """Every file of zh/, as this script writes it.
 
     Args:
-        draft: put the English text where a translation is missing or stale, instead of failing (to try a
-            build while translating; never commit a draft: ``--check`` and the tests fail on it).
+        draft: put the old translation where one is stale and the English text where one is missing, instead
+            of failing (to try a build while translating; ``--check`` and the tests fail on a draft).
 
     Raises:
         Untranslated: naming every unit without a current translation.
@@ -367,12 +368,12 @@ def chinese_tree(draft: bool = False) -> dict[pathlib.Path, bytes]:
     files: dict[pathlib.Path, bytes] = {}
     site, problems = translations(None)
     if draft:
-        site.update({p.unit.key: p.unit.text for p in problems})
+        site.update({p.unit.key: p.old_chinese or p.unit.text for p in problems})
         problems = []
     for page in english_pages():
         found, page_problems = translations(page)
         if draft:
-            found.update({p.unit.key: p.unit.text for p in page_problems})
+            found.update({p.unit.key: p.old_chinese or p.unit.text for p in page_problems})
             page_problems = []
         problems.extend(page_problems)
         if page_problems:
@@ -518,7 +519,8 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--export", metavar="PAGE", help="print the English units of PAGE (or 'site')")
     group.add_argument("--import", dest="import_", metavar="PAGE", help="store the translations read from stdin")
     group.add_argument("--prune", action="store_true", help="drop stored translations of units that are gone")
-    parser.add_argument("--draft", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--draft", action="store_true",
+                        help="write zh/ even with stale (old translation kept) or missing (English) units")
     parser.add_argument("--todo", action="store_true", help="with --export: only the missing and stale units")
     args = parser.parse_args(argv)
     if args.export:
@@ -548,6 +550,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     for path in written:
         print(f"wrote {rel(path)}" if path.exists() else f"removed {rel(path)}")
+    if args.draft:
+        problems = all_problems()
+        if problems:
+            print(f"a DRAFT: {len(problems)} units are stale (old translation kept) or missing (English kept); "
+                  "see --stale", file=sys.stderr)
+            return 1
     return 0
 
 
