@@ -269,21 +269,82 @@ def english_path(zh_page: pathlib.Path) -> pathlib.Path:
     return ROOT / zh_page.resolve().relative_to(ZH)
 
 
+# --- the glossary: the English term at its first use on every page ---------------------------------------------
+
+#: Glossary terms not annotated automatically: too common to repeat on every page (the intro and the first
+#: chapter give their English), or also ordinary words (损失 "to lose", 指数 "exponential").
+NOT_ANNOTATED = {"梯度", "损失", "损失函数", "初始化", "学习率", "复现", "指数", "ulp"}
+
+_PROTECTED = re.compile(
+    r"^```.*?^```[^\n]*$"  # fenced code
+    r"|\$\$.*?\$\$|\$[^$]+?\$"  # math
+    r"|\{[\w:-]+\}`[^`]*`|`[^`]*`"  # roles, inline code
+    r"|\[[^\]]*\]\([^)]*\)|<[^>]+>"  # links, HTML tags
+    r"|^#.*$|^:{3,}.*$|^`{3,}.*$|^:\w+:.*$",  # headings, directive lines and options
+    re.S | re.M,
+)
+
+
+def glossary_terms() -> list[tuple[str, str]]:
+    """(Chinese term, English term) pairs of the glossary that each page annotates at its first use, longest first."""
+    pairs = []
+    for line in GLOSSARY_SOURCE.read_text(encoding="utf-8").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not re.search(r"[\u4e00-\u9fff]", cells[0]) or cells[0] == "中文" or "`" in cells[0]:
+            continue
+        variants = [v.strip() for v in re.sub(r"（.*?）", "", cells[0]).split("、") if v.strip()]
+        english = [e.strip() for e in re.sub(r"\(.*?\)", "", cells[1]).split(",") if e.strip()]
+        for i, variant in enumerate(variants):
+            if variant not in NOT_ANNOTATED:
+                pairs.append((variant, english[i] if len(english) == len(variants) else english[0]))
+    return sorted(pairs, key=lambda pair: -len(pair[0]))
+
+
+def annotate_first_uses(texts: list[str], terms: list[tuple[str, str]] | None = None) -> list[str]:
+    """The texts of one page, in reading order, with "（English）" after the first use of each glossary term in
+    running text (not in headings, code, math, links or directives), unless it already has its English."""
+    terms = glossary_terms() if terms is None else terms
+    pattern = re.compile("|".join(re.escape(zh) for zh, _ in terms)) if terms else None
+    english = dict(terms)
+    seen: set[str] = set()
+    out = []
+    for text in texts:
+        if pattern is None:
+            out.append(text)
+            continue
+        protected = [m.span() for m in _PROTECTED.finditer(text)]
+        pieces, last = [], 0
+        for match in pattern.finditer(text):
+            term, start, end = match.group(0), match.start(), match.end()
+            if term in seen or any(a <= start < b for a, b in protected):
+                continue
+            seen.add(term)
+            if text[end:end + 1] in ("（", "("):
+                continue  # written with its English already
+            # inside parentheses already: "（全局范数裁剪）" becomes "（全局范数裁剪，global-norm clipping）"
+            note = f"，{english[term]}" if text[end:end + 1] == "）" else f"（{english[term]}）"
+            pieces.append(text[last:end] + note)
+            last = end
+        out.append("".join(pieces) + text[last:])
+    return out
+
+
 def chinese_notebook_text(page: pathlib.Path, found: dict[str, str]) -> str:
     import nbformat
 
     nb = read_notebook(page)
     zh = copy.deepcopy(nb)
-    for cell in zh["cells"]:
-        if cell["cell_type"] == "markdown":
-            cell["source"] = found[cell["id"]].splitlines(keepends=True)
+    markdown = [cell for cell in zh["cells"] if cell["cell_type"] == "markdown"]
+    for cell, text in zip(markdown, annotate_first_uses([found[cell["id"]] for cell in markdown])):
+        cell["source"] = text.splitlines(keepends=True)
     return nbformat.writes(nbformat.from_dict(zh)) + "\n"
 
 
 def chinese_page_text(page: pathlib.Path, found: dict[str, str]) -> str:
     pieces = md_blocks(page.read_text(encoding="utf-8"))
-    return join_md_blocks([(found.get(f"b{i}", block) if block.strip() else block, separator)
-                           for i, (block, separator) in enumerate(pieces)])
+    keys = [i for i, (block, _) in enumerate(pieces) if block.strip() and f"b{i}" in found]
+    annotated = dict(zip(keys, annotate_first_uses([found[f"b{i}"] for i in keys])))
+    return join_md_blocks([(annotated.get(i, block), separator) for i, (block, separator) in enumerate(pieces)])
 
 
 def _yaml_dump(data) -> str:

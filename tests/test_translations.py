@@ -251,3 +251,30 @@ def test_a_fork_with_another_repository_url_needs_no_new_translation(monkeypatch
     assert not problems, "\n".join(map(str, problems))
     assert not any(original in zh for zh in found_fork.values())
     assert any(fork in zh for zh in found_fork.values())
+
+
+def _chinese_page_prose(page: pathlib.Path) -> str:
+    twin = translate_book.zh_path(page)
+    if twin.suffix == ".ipynb":
+        cells = json.loads(twin.read_text(encoding="utf-8"))["cells"]
+        return "\n\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    return twin.read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_name)
+def test_every_page_gives_the_english_of_a_glossary_term_at_its_first_use(page):
+    text = _chinese_page_prose(page)
+    protected = [m.span() for m in translate_book._PROTECTED.finditer(text)]
+    bare = []
+    for term, english in translate_book.glossary_terms():
+        for match in re.finditer(re.escape(term), text):
+            start, end = match.span()
+            if any(a <= start < b for a, b in protected):
+                continue
+            longer = [t for t, _ in translate_book.glossary_terms() if len(t) > len(term) and term in t]
+            if any(text.startswith(t, start - t.index(term)) for t in longer):
+                continue  # part of a longer term, which has its own English
+            if not re.match(r"[（(，]", text[end:end + 1]):
+                bare.append(f"{term} ({english}): ...{text[max(0, start - 15):end + 5]}...")
+            break
+    assert not bare, f"{_name(page)}: glossary terms without their English at their first use:\n" + "\n".join(bare)
