@@ -14,6 +14,9 @@
 #      and executed there, as in Colab: no output comparison (that stays on the lock), but
 #      no cell may raise unless it is tagged raises-exception.
 # Each stage prints its time; a failed stage does not stop the others (the exit code says).
+# STACKS_PHASE=install only makes the environments (steps 1; .ci/run starts that in the
+# background while the locked suite runs), STACKS_PHASE=test only runs steps 2-3 in them;
+# the default, all, does both.
 # The Pythons: python3.X on PATH (setup-python on GitHub), else pyenv's newest 3.X; override
 # with STACK_PYTHON_<NAME>=/path/to/python.
 set -euo pipefail
@@ -60,12 +63,17 @@ failed=()
 stacks=("$@")
 [ ${#stacks[@]} -gt 0 ] || stacks=(colab oldest)
 
-wheels=$(mktemp -d)
-trap 'rm -rf "$wheels"' EXIT
-stage "build the wheel"
-pip_in python3 wheel --quiet --no-deps --wheel-dir "$wheels" "$ROOT"
-wheel=$(ls "$wheels"/*.whl)
-stage_done "build the wheel ($(basename "$wheel"))"
+phase=${STACKS_PHASE:-all}
+case "$phase" in all|install|test) ;; *) echo "STACKS_PHASE must be all, install or test, not '$phase'" >&2; exit 2;; esac
+
+if [ "$phase" != test ]; then
+    wheels=$(mktemp -d)
+    trap 'rm -rf "$wheels"' EXIT
+    stage "build the wheel"
+    pip_in python3 wheel --quiet --no-deps --wheel-dir "$wheels" "$ROOT"
+    wheel=$(ls "$wheels"/*.whl)
+    stage_done "build the wheel ($(basename "$wheel"))"
+fi
 
 for name in "${stacks[@]}"; do
     pins="$ROOT/.ci/stacks/$name.txt"
@@ -74,17 +82,21 @@ for name in "${stacks[@]}"; do
     python=$(find_python "$name" "$version")
     env="$STACKS_DIR/$name"
 
-    stage "$name: install (Python $version: $python)"
-    rm -rf "$env"
-    "$python" -m venv "$env"
-    pip_in "$env/bin/python" install --quiet --upgrade pip
-    # The test tools are not part of the stack and float; the stack's pins win.
-    pip_in "$env/bin/python" install --quiet -r "$pins" "$wheel" \
-        pytest hypothesis mpmath ipykernel nbclient nbformat
-    pip_in "$env/bin/python" check
-    TF_CPP_MIN_LOG_LEVEL=3 "$env/bin/python" -c 'import sys, numpy, tensorflow, keras; print("  Python", sys.version.split()[0],
-          "TensorFlow", tensorflow.__version__, "Keras", keras.__version__, "NumPy", numpy.__version__)'
-    stage_done "$name: install"
+    if [ "$phase" != test ]; then
+        stage "$name: install (Python $version: $python)"
+        rm -rf "$env"
+        "$python" -m venv "$env"
+        pip_in "$env/bin/python" install --quiet --upgrade pip
+        # The test tools are not part of the stack and float; the stack's pins win.
+        pip_in "$env/bin/python" install --quiet -r "$pins" "$wheel" \
+            pytest hypothesis mpmath ipykernel nbclient nbformat
+        pip_in "$env/bin/python" check
+        TF_CPP_MIN_LOG_LEVEL=3 "$env/bin/python" -c 'import sys, numpy, tensorflow, keras; print("  Python", sys.version.split()[0],
+              "TensorFlow", tensorflow.__version__, "Keras", keras.__version__, "NumPy", numpy.__version__)'
+        stage_done "$name: install"
+    fi
+    [ "$phase" != install ] || continue
+    [ -x "$env/bin/python" ] || { echo "$env is missing: run with STACKS_PHASE=install first" >&2; exit 1; }
 
     stage "$name: unit tests"
     # -I: neither the current folder nor PYTHONPATH on sys.path; importlib mode: pytest adds no
@@ -113,4 +125,4 @@ if [ ${#failed[@]} -gt 0 ]; then
     printf '== FAILED: %s\n' "${failed[@]}"
     exit 1
 fi
-echo "== every stack passed: ${stacks[*]}"
+if [ "$phase" = install ]; then echo "== every stack installed: ${stacks[*]}"; else echo "== every stack passed: ${stacks[*]}"; fi

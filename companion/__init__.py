@@ -16,6 +16,7 @@ Submodules:
     models: :class:`companion.models.ParameterNet`, case A's model with switchable fixes.
     targets: the families of target functions g(x) that ParameterNet fits.
     reproductions: the seeds' failing code, faithfully, so chapters and tests can show it.
+    runs: short instrumented training runs (first non-finite step, learning-rate sweeps).
     accuracy: errors in ulp against an mpmath reference (needs mpmath).
     benchmark_results: the measured cost of the fixes, shipped with the package.
 """
@@ -39,6 +40,7 @@ _SUBMODULES = (
     "numerics",
     "optimizers",
     "reproductions",
+    "runs",
     "targets",
     "training",
 )

@@ -227,8 +227,8 @@ def seed_blended_f(x) -> tf.Tensor:
     # the middle region uses the original formula
     original = 1/(1 - tf.exp(-x)) - 1/x
 
-    # smooth switching masks: a sigmoid soft transition avoids the gradient jump
-    # of a hard switch
+    # smooth switching masks: a sigmoid soft transition avoids the
+    # gradient jump of a hard switch
     # transition between x < -10 and the middle region
     mask_neg = tf.sigmoid((x + 10)/0.5)
     # transition between x > 10 and the middle region
