@@ -561,6 +561,25 @@ def prune_stores() -> None:
             save_store(path, store.get("source", path.name), kept)
 
 
+def refresh_rewrapped() -> list[str]:
+    """Keep the translations of units whose English changed only in line breaks and spaces (text re-wrapped):
+    their hash and stored English are updated, the Chinese is kept. Returns the units refreshed."""
+    refreshed = []
+    for page in [None, *english_pages()]:
+        problems = [p for p in translations(page)[1] if p.kind == "stale"]
+        if not problems:
+            continue
+        path = SITE_STORE if page is None else store_path(page)
+        store = load_store(path)
+        for problem in problems:
+            if " ".join(problem.old_english.split()) == " ".join(problem.unit.text.split()):
+                en = normalize(problem.unit.text)
+                store["units"][problem.unit.key].update({"en_sha256": sha256(en), "en": en})
+                refreshed.append(str(problem))
+        save_store(path, store.get("source", path.name), store["units"])
+    return refreshed
+
+
 def stale_report() -> str:
     lines = []
     for problem in all_problems():
@@ -580,6 +599,8 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--export", metavar="PAGE", help="print the English units of PAGE (or 'site')")
     group.add_argument("--import", dest="import_", metavar="PAGE", help="store the translations read from stdin")
     group.add_argument("--prune", action="store_true", help="drop stored translations of units that are gone")
+    group.add_argument("--rewrapped", action="store_true",
+                       help="keep the translations of units whose English was only re-wrapped")
     parser.add_argument("--draft", action="store_true",
                         help="write zh/ even with stale (old translation kept) or missing (English) units")
     parser.add_argument("--todo", action="store_true", help="with --export: only the missing and stale units")
@@ -593,6 +614,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.prune:
         prune_stores()
+        return 0
+    if args.rewrapped:
+        for line in refresh_rewrapped():
+            print("kept (only re-wrapped):", line)
         return 0
     if args.stale:
         report = stale_report()
