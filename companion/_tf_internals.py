@@ -436,3 +436,29 @@ def parse_check_numerics_message(message: str) -> dict[str, Any]:
         "nan_count": sum(int(n) for n in re.findall(r"# of \+?NaN elements: (\d+)", message)),
         "inf_count": sum(int(n) for n in re.findall(r"# of [+-]Inf elements: (\d+)", message)),
     }
+
+
+# --------------------------------------------------------------------------------------
+# 9. A variable's initial value that restores a checkpoint (the ulp perturbation)
+# --------------------------------------------------------------------------------------
+# Relies on: ``tf.train.Checkpoint`` restoring a variable that is created after
+# ``restore()`` was called ("restore on create") by passing a
+# ``tensorflow.python.trackable.base.CheckpointInitialValueCallable`` as the
+# ``initial_value`` of the new variable, through every variable creator.
+# Why: ``companion.notebook.setup(perturb_ulp=True)`` moves every new variable's initial
+# value by one ulp; a value read from a checkpoint must come back bit for bit, as it would
+# through an ``assign``.
+# If gone: ``is_checkpoint_restore`` recognises the value by its ``checkpoint_position``
+# attribute (public on that class); if that is gone too, a restored-on-create variable is
+# perturbed like any other (a resumed run then differs by one ulp under the switch only).
+
+
+def is_checkpoint_restore(initial_value: Any) -> bool:
+    """Whether a variable creator's ``initial_value`` is a value restored from a checkpoint."""
+    try:
+        from tensorflow.python.trackable.base import CheckpointInitialValue, CheckpointInitialValueCallable
+    except ImportError:  # pragma: no cover - depends on the TensorFlow version
+        warn_once("CheckpointInitialValueCallable", "tensorflow's restore-on-create value class is gone: "
+                  "recognising restored values by their checkpoint_position attribute")
+        return getattr(initial_value, "checkpoint_position", None) is not None
+    return isinstance(initial_value, (CheckpointInitialValue, CheckpointInitialValueCallable))

@@ -18,9 +18,15 @@ import numbers
 import os
 import random
 import sys
+import threading
 from typing import Sequence
 
-__all__ = ["BOOK_COLORS", "BOOK_STYLE", "Table", "html_table", "setup"]
+__all__ = ["BOOK_COLORS", "BOOK_STYLE", "PERTURB_ULP_ENV", "TABLE_STYLE", "Table", "html_table", "setup"]
+
+#: The environment variable that turns on :func:`setup`'s ``perturb_ulp`` ("1" on, "0" or
+#: unset off): ``COMPANION_PERTURB_ULP=1 python -m pytest book`` re-runs every chapter
+#: with every new variable one ulp away from its seeded value.
+PERTURB_ULP_ENV = "COMPANION_PERTURB_ULP"
 
 #: The matplotlib style of every figure in the book.
 BOOK_STYLE: dict[str, object] = {
@@ -42,7 +48,7 @@ BOOK_STYLE: dict[str, object] = {
 BOOK_COLORS = ["#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000"]
 
 
-def setup(seed: int = 0, *, deterministic: bool | None = None) -> None:
+def setup(seed: int = 0, *, deterministic: bool | None = None, perturb_ulp: bool | None = None) -> None:
     """Make a chapter reproducible and quiet, and set the book's plot style.
 
     It
@@ -55,7 +61,28 @@ def setup(seed: int = 0, *, deterministic: bool | None = None) -> None:
     3. enables op determinism (:func:`tf.config.experimental.enable_op_determinism`),
        so the same code on the same machine gives bit-identical results, unless a GPU
        is visible (see below);
-    4. sets the matplotlib style :data:`BOOK_STYLE` and colours :data:`BOOK_COLORS`, if matplotlib is installed.
+    4. sets the matplotlib style :data:`BOOK_STYLE` and colours :data:`BOOK_COLORS`, if matplotlib is installed;
+    5. with ``perturb_ulp``, moves every variable created from then on one ulp away from
+       its initial value (below).
+
+    **One ulp away.** A printed digit that a different order of summation would change
+    (another CPU's vector width, another kernel) is a defect of the chapter: it passes
+    here and fails on a reader's machine. ``perturb_ulp=True`` (or the environment
+    variable ``COMPANION_PERTURB_ULP=1`` when ``perturb_ulp`` is ``None``) makes that
+    class of defect visible on one machine: every floating-point ``tf.Variable`` created
+    afterwards in this thread (every Keras weight, optimizer slot and metric, and every
+    ``tf.Variable`` made from a computed value) starts with each finite, non-zero element moved to the
+    neighbouring float, up or down at random (seeded by ``seed``, so the perturbed run is
+    itself reproducible). Left as they are: exact zeros, infinities and NaNs; integer
+    variables; a variable made from a Python number or a list of them
+    (``tf.Variable(1.0)``: what the author typed, the same on every CPU and often exactly
+    the point a chapter studies; its initial value computed by TensorFlow or NumPy is
+    moved); values restored from a checkpoint; and variables created under a
+    ``tf.distribute`` strategy (whose replicas must stay equal). A one-ulp change is what a
+    different rounding of the first sum does; a printed digit that survives it survives
+    the reader's CPU. ``setup`` without it (the default) creates variables untouched. It
+    uses the public ``tf.variable_creator_scope``; call ``setup`` outside any
+    ``strategy.scope()``.
 
     **On a GPU.** Op determinism makes every op either run a deterministic kernel or
     raise ``UnimplementedError`` when it has none on the device (TensorFlow's
@@ -75,11 +102,15 @@ def setup(seed: int = 0, *, deterministic: bool | None = None) -> None:
         seed: a non-negative integer.
         deterministic: ``None`` (default): enable op determinism unless a GPU is visible;
             ``True``: enable it on any device; ``False``: do not enable it.
+        perturb_ulp: ``None`` (default): as the environment variable
+            ``COMPANION_PERTURB_ULP`` says ("1" on; unset, empty or "0" off);
+            ``True``/``False``: on or off, whatever the environment says.
 
     Raises:
         TypeError: if ``seed`` is not an integer (``bool`` included), or
-            ``deterministic`` is not ``None``, ``True`` or ``False``.
-        ValueError: if ``seed`` is negative.
+            ``deterministic`` or ``perturb_ulp`` is not ``None``, ``True`` or ``False``.
+        ValueError: if ``seed`` is negative, or ``COMPANION_PERTURB_ULP`` is set to
+            something other than "", "0" or "1".
 
     Example:
         >>> from companion.notebook import setup
@@ -94,6 +125,11 @@ def setup(seed: int = 0, *, deterministic: bool | None = None) -> None:
     if deterministic is not None and not isinstance(deterministic, bool):
         kind = type(deterministic).__name__
         raise TypeError(f"deterministic must be None, True or False, got {kind} {deterministic!r}")
+    if perturb_ulp is not None and not isinstance(perturb_ulp, bool):
+        kind = type(perturb_ulp).__name__
+        raise TypeError(f"perturb_ulp must be None, True or False, got {kind} {perturb_ulp!r}")
+    if perturb_ulp is None:
+        perturb_ulp = _perturb_ulp_from_environment()
 
     if "tensorflow" not in sys.modules:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -109,6 +145,7 @@ def setup(seed: int = 0, *, deterministic: bool | None = None) -> None:
         deterministic = not tf.config.list_physical_devices("GPU")
     if deterministic:
         tf.config.experimental.enable_op_determinism()
+    _perturb_new_variables(seed if perturb_ulp else None)
 
     try:
         import matplotlib
@@ -119,6 +156,95 @@ def setup(seed: int = 0, *, deterministic: bool | None = None) -> None:
     style = dict(BOOK_STYLE)
     style["axes.prop_cycle"] = cycler(color=BOOK_COLORS)
     matplotlib.rcParams.update(style)
+
+
+def _perturb_ulp_from_environment() -> bool:
+    value = os.environ.get(PERTURB_ULP_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{PERTURB_ULP_ENV} must be unset, '0' or '1', got {value!r}")
+    return value == "1"
+
+
+# The perturbation: the seed of its random directions (None: off), how many variables it
+# has moved (each variable's directions come from (seed, that count)), and the threads
+# whose variable-creator stack holds the creator below (installed once per thread, on
+# first use, and never removed: switching off only sets the seed to None).
+_perturbation: dict[str, int | None] = {"seed": None, "count": 0}
+_perturbing_threads: dict[int, object] = {}
+
+
+def _one_ulp_away(value, seed: int, index: int, dtype=None):
+    """``value`` with each finite non-zero element moved to a neighbouring float (a seeded random direction)."""
+    import tensorflow as tf
+
+    value = tf.convert_to_tensor(value, dtype=dtype)
+    bits_dtype = {tf.float16: tf.int16, tf.bfloat16: tf.int16, tf.float32: tf.int32, tf.float64: tf.int64}.get(
+        value.dtype
+    )
+    if bits_dtype is None:  # integers, booleans, complex numbers, strings: as they are
+        return value
+    up = tf.random.stateless_uniform(tf.shape(value), seed=[seed, index]) < 0.5
+    # The bits of a float, read as a signed integer, grow with its magnitude: +1 moves a
+    # positive float up (towards +inf) and a negative one down.
+    step = tf.where(tf.not_equal(up, value < 0), tf.ones([], bits_dtype), -tf.ones([], bits_dtype))
+    bits = tf.bitcast(value, bits_dtype)
+    moved = tf.bitcast(bits + step, value.dtype)
+    moved = tf.where(tf.math.is_finite(moved), moved, tf.bitcast(bits - step, value.dtype))  # not past the largest
+    return tf.where(tf.math.is_finite(value) & tf.not_equal(value, 0), moved, value)
+
+
+def _is_typed_literal(value) -> bool:
+    """Whether ``value`` is a Python number or a (nested) list or tuple of them.
+
+    Such a value is what the author typed (``tf.Variable(1.5)``, ``tf.Variable([3.0, 4.0])``):
+    the same on every CPU, often placed exactly on the point a chapter is about (b = 1,
+    x = -50), so the perturbation leaves it. Values computed by TensorFlow or NumPy
+    (initialisers, random draws, arrays) are what another CPU may round differently.
+    """
+    if isinstance(value, (bool, int, float)):
+        return True
+    return isinstance(value, (list, tuple)) and len(value) > 0 and all(_is_typed_literal(v) for v in value)
+
+
+def _perturbing_creator(next_creator, **kwargs):
+    import tensorflow as tf
+
+    from companion import _tf_internals
+
+    seed = _perturbation["seed"]
+    initial = kwargs.get("initial_value")
+    if (
+        seed is None
+        or initial is None
+        or _is_typed_literal(initial)
+        or tf.distribute.has_strategy()
+        or _tf_internals.is_checkpoint_restore(initial)
+    ):
+        return next_creator(**kwargs)
+    index = _perturbation["count"]
+    _perturbation["count"] = index + 1
+    dtype = kwargs.get("dtype")
+    if callable(initial):
+        kwargs["initial_value"] = lambda: _one_ulp_away(initial(), seed, index, dtype)
+    else:
+        try:
+            kwargs["initial_value"] = _one_ulp_away(initial, seed, index, dtype)
+        except (TypeError, ValueError):  # not convertible to the dtype: tf.Variable says why
+            pass
+    return next_creator(**kwargs)
+
+
+def _perturb_new_variables(seed: int | None) -> None:
+    """Move every variable created from now on by one ulp (``seed``), or stop (``None``)."""
+    _perturbation["seed"] = seed
+    _perturbation["count"] = 0
+    thread = threading.get_ident()
+    if seed is not None and thread not in _perturbing_threads:
+        import tensorflow as tf
+
+        scope = tf.variable_creator_scope(_perturbing_creator)
+        scope.__enter__()  # for the rest of the process: kept referenced so it is never closed
+        _perturbing_threads[thread] = scope
 
 
 def _cell_text(value: object, float_format: str) -> str:
@@ -135,6 +261,63 @@ def _cell_text(value: object, float_format: str) -> str:
         value = float(value)
         return str(value) if not math.isfinite(value) else format(value, float_format)
     return str(value)
+
+
+#: The inline style of every table :func:`html_table` makes (inline, so that Jupyter,
+#: Colab and the built book show the same table): booktabs-like rules (a heavy rule above
+#: and below, a thin one under the header, faint ones between rows) in the text's colour,
+#: so they suit light and dark themes; padding between cells; numbers right-aligned, in
+#: tabular (equal-width) figures and never broken across lines; and a wrapper that lets
+#: a table wider than the page scroll inside itself rather than widen the page.
+TABLE_STYLE: dict[str, str] = {
+    "wrap": "overflow-x: auto; max-width: 100%; margin: 0.25em 0 0.75em",
+    "table": (
+        "border-collapse: collapse; border-spacing: 0; width: auto; margin: 0; "
+        "border-top: 2px solid currentColor; border-bottom: 2px solid currentColor; "
+        "font-variant-numeric: tabular-nums lining-nums; font-size: 0.9em; line-height: 1.35"
+    ),
+    "caption": "caption-side: top; text-align: left; padding: 0 0 0.35em; font-style: italic",
+    "th": (
+        "padding: 0.4em 0.75em; border: none; border-bottom: 1px solid currentColor; "
+        "vertical-align: bottom; font-weight: 600; background: none"
+    ),
+    "td": (
+        "padding: 0.25em 0.75em; border: none; border-top: 1px solid rgba(128, 128, 128, 0.3); "
+        "vertical-align: top; background: none"
+    ),
+    "number": "text-align: right; white-space: nowrap",
+    "text": "text-align: left",
+}
+
+
+def _is_numeric(text: str) -> bool:
+    """Whether a cell's text is a number (``nan`` and ``inf`` included) or a boolean: right-aligned."""
+    try:
+        float(text)
+    except ValueError:
+        return text in ("True", "False")
+    return True
+
+
+def _header_html(name: str, longest_line: int = 20) -> str:
+    """A column name, escaped, that breaks into a few balanced lines, never a word a line.
+
+    Names up to ``longest_line`` characters stay on one line; longer ones are cut into
+    ``ceil(len / longest_line)`` lines of about equal length, with non-breaking spaces
+    inside each line, so a narrow column cannot stack the name one word a line.
+    """
+    words = name.split()
+    if not words:
+        return html.escape(name)
+    lines_wanted = max(1, math.ceil(len(name) / longest_line))
+    target = math.ceil(len(name) / lines_wanted)
+    lines: list[list[str]] = [[]]
+    for word in words:
+        current = " ".join(lines[-1])
+        if lines[-1] and len(current) + 1 + len(word) > target and len(lines) < lines_wanted:
+            lines.append([])
+        lines[-1].append(word)
+    return " ".join("&nbsp;".join(html.escape(word) for word in line) for line in lines)
 
 
 class Table:
@@ -155,28 +338,32 @@ class Table:
         self.caption = caption
 
     def _repr_html_(self) -> str:
-        def numeric(text: str) -> bool:
-            try:
-                float(text)
-            except ValueError:
-                return text in ("True", "False")
-            return True
-
-        lines = ['<table class="companion-table">']
+        columns = len(self.header) if self.header else (len(self.rows[0]) if self.rows else 0)
+        numeric_column = [
+            all(_is_numeric(row[i]) for row in self.rows if row[i]) and any(row[i] for row in self.rows)
+            for i in range(columns)
+        ]
+        lines = [f'<div class="companion-table-wrap" style="{TABLE_STYLE["wrap"]}">',
+                 f'<table class="companion-table" style="{TABLE_STYLE["table"]}">']
         if self.caption is not None:
-            lines.append(f"<caption>{html.escape(self.caption)}</caption>")
+            lines.append(f'<caption style="{TABLE_STYLE["caption"]}">{html.escape(self.caption)}</caption>')
         if self.header:
-            cells = "".join(f"<th>{html.escape(h)}</th>" for h in self.header)
+            cells = "".join(
+                f'<th style="{TABLE_STYLE["th"]}; text-align: {"right" if numeric else "left"}">{_header_html(h)}</th>'
+                for h, numeric in zip(self.header, numeric_column)
+            )
             lines.append(f"<thead><tr>{cells}</tr></thead>")
         lines.append("<tbody>")
         for row in self.rows:
             cells = "".join(
-                f'<td style="text-align: right">{html.escape(c)}</td>' if numeric(c) else f"<td>{html.escape(c)}</td>"
+                f'<td style="{TABLE_STYLE["td"]}; {TABLE_STYLE["number" if _is_numeric(c) else "text"]}">'
+                f"{html.escape(c)}</td>"
                 for c in row
             )
             lines.append(f"<tr>{cells}</tr>")
         lines.append("</tbody>")
         lines.append("</table>")
+        lines.append("</div>")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -204,7 +391,10 @@ def html_table(
     computation, not the formatting. Floats are formatted with ``float_format``
     (``nan`` and ``inf`` as Python prints them), booleans and integers as Python prints
     them, ``None`` as an empty cell, anything else with ``str``; NumPy and TensorFlow
-    scalars count as the Python number they hold. Numbers are right-aligned.
+    scalars count as the Python number they hold. Every table has the book's one style
+    (:data:`TABLE_STYLE`, inline, so Jupyter and Colab show it too): padding and rules
+    between cells, numbers right-aligned in tabular figures, long column names broken
+    into a few balanced lines.
 
     Args:
         rows: a sequence of rows, each a sequence of cells, all of the same length.
@@ -221,7 +411,8 @@ def html_table(
         ValueError: if rows differ in length, or the header has another length.
 
     Example:
-        >>> table = html_table([["tf.pow", float("nan")], ["safe_pow", 0.25]], ["power", "d/dx"])
+        >>> rows = [["tf.pow", float("nan")], ["safe_pow", 0.25]]
+        >>> table = html_table(rows, ["power", "d/dx"])
         >>> print(repr(table))
            power  d/dx
         --------  ----

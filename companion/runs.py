@@ -21,7 +21,7 @@ no guard and no clipping): the training loop for real use is
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence  # typing: the API page resolves these
 
 import keras
 import numpy as np

@@ -1,4 +1,4 @@
-"""Refresh every chapter: sync its Colab cell, re-execute it in place, drop stderr.
+"""Refresh every chapter: sync its Colab cell, hide its solutions, re-execute it in place, drop stderr.
 
     python scripts/refresh_notebooks.py              # every notebook under book/
     python scripts/refresh_notebooks.py book/x.ipynb # just these
@@ -27,6 +27,17 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import book_tools  # noqa: E402
 
 KERNEL_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONHASHSEED": "0"}
+# Never in the kernels that make the committed outputs: COMPANION_PERTURB_ULP=1 (the CI
+# check that moves every new variable by one ulp) would commit perturbed outputs.
+KERNEL_ENV_UNSET = ("COMPANION_PERTURB_ULP",)
+
+
+def prepare_kernel_environment() -> None:
+    """The environment the kernels inherit: the tests' settings, and no ulp perturbation."""
+    os.environ.update(KERNEL_ENV)
+    for name in KERNEL_ENV_UNSET:
+        if os.environ.pop(name, None) is not None:
+            print(f"{name} is unset for the refresh: committed outputs are made unperturbed", flush=True)
 
 
 def sync_colab_cell(nb) -> bool:
@@ -49,8 +60,9 @@ def sync_colab_cell(nb) -> bool:
 def refresh(path: pathlib.Path, execute: bool = True, timeout: int = 300) -> None:
     nb = nbformat.read(path, as_version=4)
     sync_colab_cell(nb)
+    book_tools.hide_solutions(nb)  # tags and wrappers only (scripts/hide_solutions.py)
     if execute:
-        os.environ.update(KERNEL_ENV)
+        prepare_kernel_environment()
         start = time.perf_counter()
         NotebookClient(
             nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}

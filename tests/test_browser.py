@@ -9,7 +9,12 @@
 - its math renders offline: every formula became MathJax output, without TeX errors
   or leftover TeX source, with the fonts loaded;
 - it needs no network: the browser's name resolution and proxy lead nowhere, and every
-  request the page makes is for a local file.
+  request the page makes is for a local file;
+
+and that every page fits the window (`test_every_page_fits_the_window`): at 1280 px no code
+block, output, table or display equation scrolls sideways (book_tools.CODE_WIDTH characters
+of code fit, book/_static/companion.css), and at a phone's 390 px the page itself never
+scrolls sideways (a wide block scrolls inside itself).
 
 Chromium and its driver are Debian's (`apt-get install chromium chromium-driver`; `.ci/run`
 installs them), driven by selenium without its download manager. Without them the test is
@@ -252,3 +257,59 @@ def test_a_reader_can_follow_every_chapter_from_index_html(browser, built_book, 
         browser.get(facts["next"])
     assert visited == expected, "the 'next' links stop before the end of the table of contents"
     assert facts["next"] is None, f"the last page links on to {facts['next']}"
+
+
+# --- Width: what a reader sees at 1280 px and on a phone ---------------------------------
+
+_OVERFLOWS = """
+const article = document.querySelector("article.bd-article");
+const name = (element) => {
+    const text = (element.innerText || element.textContent || "").trim().split("\\n")[0];
+    return text.slice(0, 60);
+};
+const wide = (element) => element.scrollWidth > element.clientWidth + 1;
+const blocks = [];
+article.querySelectorAll("pre").forEach((pre, index) => {
+    if (wide(pre)) blocks.push({kind: "code block", index, scroll: pre.scrollWidth, client: pre.clientWidth, text: name(pre)});
+});
+article.querySelectorAll("table").forEach((table, index) => {
+    const box = table.parentElement;
+    if (table.getBoundingClientRect().width > box.clientWidth + 1 || wide(box))
+        blocks.push({kind: "table", index, scroll: Math.round(table.getBoundingClientRect().width),
+                     client: box.clientWidth, text: name(table)});
+});
+article.querySelectorAll('mjx-container[display="true"]').forEach((math, index) => {
+    if (wide(math) || math.getBoundingClientRect().right > article.getBoundingClientRect().right + 1)
+        blocks.push({kind: "display equation", index, scroll: math.scrollWidth, client: math.clientWidth, text: name(math)});
+});
+const root = document.documentElement;
+return {page: {scroll: root.scrollWidth, client: root.clientWidth}, blocks};
+"""
+
+
+@pytest.mark.parametrize(("width", "phone"), [(1280, False), (390, True)], ids=["1280px", "390px-phone"])
+def test_every_page_fits_the_window(browser, built_book, width, phone):
+    """At 1280 px nothing scrolls sideways; on a phone only wide blocks do, inside themselves."""
+    html_root = built_book.html.resolve()
+    # A phone: the viewport of one (Chromium's own window cannot be narrower than 500 px).
+    metrics = {"width": width, "height": 844 if phone else 1000, "deviceScaleFactor": 1, "mobile": phone}
+    browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", metrics)
+    problems = []
+    try:
+        for source in book_tools.toc_sources():
+            page = str(source.relative_to(book_tools.ROOT))
+            browser.get(built_book.page(source).resolve().as_uri())
+            browser.execute_async_script(_WAIT_FOR_RENDERING)
+            facts = browser.execute_script(_OVERFLOWS)
+            if facts["page"]["scroll"] > facts["page"]["client"]:
+                problems.append(f"{page}: the page scrolls sideways ({facts['page']['scroll']} px in "
+                                f"{facts['page']['client']} px)")
+            if not phone:
+                problems += [
+                    f"{page}: {b['kind']} {b['index']} scrolls sideways ({b['scroll']} px in {b['client']} px): "
+                    f"{b['text']!r}"
+                    for b in facts["blocks"]
+                ]
+    finally:
+        browser.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+    assert not problems, f"at {width} px ({len(problems)}):\n  " + "\n  ".join(problems)

@@ -232,3 +232,50 @@ def test_every_page_names_the_book_and_code_licences(built_book):
         hrefs = _parse(built_book.page(source)).hrefs
         assert "https://creativecommons.org/licenses/by/4.0/" in hrefs, f"{_rel(source)}: no CC BY 4.0 link"
         assert f"{book_tools.repository_url()}/blob/main/LICENSE" in hrefs, f"{_rel(source)}: no MIT licence link"
+
+
+# --- Hidden solutions -------------------------------------------------------------------
+
+
+class _Solutions(html.parser.HTMLParser):
+    """For every solution on a page: whether it sits inside a closed <details>."""
+
+    def __init__(self):
+        super().__init__()
+        self.stack: list[tuple[str, bool]] = []  # (tag, is a details element that starts closed)
+        self.code: list[bool] = []  # per "# Solution" comment of a code cell: hidden?
+        self.texts = 0  # <details class="solution"> elements
+        self.open_solutions = 0  # of those, shown open
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag in ("br", "img", "hr", "input", "meta", "link", "wbr"):
+            return
+        closed_details = tag == "details" and "open" not in attrs
+        if tag == "details" and "solution" in (attrs.get("class") or "").split():
+            self.texts += 1
+            self.open_solutions += "open" in attrs
+        self.stack.append((tag, closed_details))
+
+    def handle_endtag(self, tag):
+        while self.stack:
+            if self.stack.pop()[0] == tag:
+                break
+
+    def handle_data(self, data):
+        if data.startswith("# Solution"):
+            self.code.append(any(closed for _, closed in self.stack))
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[_rel(p) for p in NOTEBOOKS])
+def test_every_solution_is_collapsed_on_its_page(built_book, notebook):
+    import json
+
+    cells = json.loads(notebook.read_text())["cells"]
+    code = sum(book_tools.is_solution_code(c) for c in cells)
+    texts = sum("".join(c["source"]).count(book_tools.SOLUTION_OPEN) for c in cells if c["cell_type"] == "markdown")
+    parser = _Solutions()
+    parser.feed(built_book.page(notebook).read_text())
+    assert len(parser.code) == code, f"{_rel(notebook)}: {len(parser.code)} solution code cells on the page, {code} in it"
+    assert all(parser.code), f"{_rel(notebook)}: solution code shown before it is opened: {parser.code}"
+    assert (parser.texts, parser.open_solutions) == (texts, 0), f"{_rel(notebook)}: solution texts shown"

@@ -14,7 +14,8 @@ from tensorflow.python.framework.config import (
     is_op_determinism_enabled,
 )
 
-from companion.notebook import BOOK_COLORS, setup
+from companion import notebook
+from companion.notebook import BOOK_COLORS, PERTURB_ULP_ENV, setup
 
 
 @pytest.fixture(autouse=True)
@@ -24,6 +25,7 @@ def _restore_global_state():
     determinism = is_op_determinism_enabled()
     with matplotlib.rc_context():
         yield
+    notebook._perturb_new_variables(None)
     if determinism:
         enable_op_determinism()
     else:
@@ -95,6 +97,13 @@ def test_setup_rejects_bad_seed(seed, error):
         setup(seed=seed)
 
 
+def _cells(page: str, tag: str) -> list[tuple[str, str]]:
+    """(style, text) of every <tag> of a table's HTML."""
+    import re
+
+    return re.findall(rf'<{tag} style="([^"]*)">(.*?)</{tag}>', page)
+
+
 def test_html_table_renders_a_header_and_formatted_cells():
     from companion.notebook import html_table
 
@@ -105,20 +114,53 @@ def test_html_table_renders_a_header_and_formatted_cells():
         float_format=".2f",
     )
     page = table._repr_html_()
-    assert page.count("<tr>") == 3 and page.count("<th>") == 4
-    assert "<caption>at x = 0</caption>" in page
-    assert '<td style="text-align: right">0.12</td>' in page  # float32 formatted, right-aligned
-    assert '<td style="text-align: right">nan</td>' in page
-    assert "<td>tf.pow</td>" in page
+    assert page.count("<tr>") == 3 and len(_cells(page, "th")) == 4 and len(_cells(page, "td")) == 8
+    assert ">at x = 0</caption>" in page
+    texts = [text for _, text in _cells(page, "td")]
+    assert texts == ["tf.pow", "nan", "True", "3", "safe_pow", "0.12", "False", "0"]  # float32 formatted
     assert table.rows == (("tf.pow", "nan", "True", "3"), ("safe_pow", "0.12", "False", "0"))
     assert repr(table).splitlines()[1].split()[0] == "power"
+
+
+def test_html_table_has_the_book_style_inline():
+    # Inline, so that Jupyter and Colab (which have no book CSS) show the same table.
+    from companion.notebook import html_table
+
+    page = html_table([["safe_pow", -1.38e-11, -1.38e-11], ["tf.pow", 2.0, float("inf")]],
+                      ["power", "value at x = 0", "d/dx"])._repr_html_()
+    assert 'style="overflow-x: auto' in page.split("<table")[0]  # a wide table scrolls by itself, not the page
+    table_style = page.split('<table class="companion-table" style="', 1)[1].split('"', 1)[0]
+    assert "border-collapse: collapse" in table_style and "tabular-nums" in table_style
+    assert "border-top: 2px solid" in table_style and "border-bottom: 2px solid" in table_style  # rules
+    for style, text in _cells(page, "td"):
+        assert "padding: 0.25em 0.75em" in style, text  # cells never run together
+        numeric = text not in ("safe_pow", "tf.pow")
+        assert ("text-align: right; white-space: nowrap" in style) is numeric, text
+        assert ("text-align: left" in style) is (not numeric), text
+    header = _cells(page, "th")
+    assert [("text-align: right" in style) for style, _ in header] == [False, True, True]  # as their columns
+    assert all("border-bottom: 1px solid" in style for style, _ in header)
+
+
+@pytest.mark.parametrize("name", ["share of points attending most to themselves", "first non-finite step (power law)",
+                                  "series, |x| < x* (ulp)", "d/dx at x = -2", "b", "loss"])
+def test_long_column_names_break_into_a_few_balanced_lines_never_a_word_a_line(name):
+    import html
+    import math
+
+    from companion.notebook import _header_html
+
+    lines = [html.unescape(line) for line in _header_html(name).split(" ")]  # breaks only at plain spaces
+    assert " ".join(line.replace("\xa0", " ") for line in lines) == name
+    assert len(lines) == max(1, math.ceil(len(name) / 20)) if len(name) > 20 else lines == [name.replace(" ", "\xa0")]
+    assert all(len(line) <= 20 for line in lines) and (len(lines) == 1 or all(" " in line or "\xa0" in line for line in lines))
 
 
 def test_html_table_escapes_text():
     from companion.notebook import html_table
 
     page = html_table([["a < b & c"]], ["<x>"])._repr_html_()
-    assert "<th>&lt;x&gt;</th>" in page and "<td>a &lt; b &amp; c</td>" in page
+    assert ">&lt;x&gt;</th>" in page and ">a &lt; b &amp; c</td>" in page
 
 
 @pytest.mark.parametrize(
@@ -135,3 +177,130 @@ def test_html_table_rejects_ragged_or_non_tabular_input(rows, header, error, mat
 
     with pytest.raises(error, match=match):
         html_table(rows, header)
+
+
+# --- perturb_ulp: every new variable one ulp away ----------------------------------------
+
+
+def _fresh_variables() -> dict[str, np.ndarray]:
+    """The variables of a Dense, an Embedding, a seeded tf.Variable and an optimizer, as created now."""
+    import keras
+
+    dense = keras.layers.Dense(8)
+    dense.build((None, 16))
+    embedding = keras.layers.Embedding(50, 4)
+    embedding.build((None,))
+    optimizer = keras.optimizers.Adam(learning_rate=1e-3)
+    optimizer.build(dense.trainable_variables)
+    return {
+        "dense kernel": dense.kernel.numpy(),
+        "dense bias": dense.bias.numpy(),
+        "embeddings": embedding.embeddings.numpy(),
+        "tf.Variable": tf.Variable(tf.random.normal([64])).numpy(),
+        "tf.Variable(callable)": tf.Variable(lambda: tf.fill([3], 1.5)).numpy(),
+        "tf.Variable(numpy)": tf.Variable(np.linspace(0.5, 2.0, 7, dtype=np.float32)).numpy(),
+        "learning rate": np.asarray(optimizer.learning_rate.numpy()),
+    }
+
+
+def _one_ulp_apart(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (b == np.nextafter(a, np.inf)) | (b == np.nextafter(a, -np.inf))
+
+
+@pytest.fixture
+def no_perturb_env(monkeypatch):
+    monkeypatch.delenv(PERTURB_ULP_ENV, raising=False)
+
+
+def test_perturb_ulp_moves_every_variable_by_exactly_one_ulp(no_perturb_env):
+    setup(seed=0)
+    seeded = _fresh_variables()
+    setup(seed=0, perturb_ulp=True)
+    perturbed = _fresh_variables()
+    for name, value in seeded.items():
+        moved = perturbed[name]
+        assert moved.dtype == value.dtype and moved.shape == value.shape, name
+        nonzero = value != 0
+        assert _one_ulp_apart(value[nonzero], moved[nonzero]).all(), f"{name}: not one ulp away"
+        assert (moved[~nonzero] == 0).all(), f"{name}: an exact zero moved"
+    assert (seeded["dense bias"] == 0).all()  # zeros-initialised, and left so
+    kernel_up = perturbed["dense kernel"] > seeded["dense kernel"]
+    assert 0.3 < kernel_up.mean() < 0.7, "the directions are not a random mix of up and down"
+
+
+def test_without_perturb_ulp_variables_are_exactly_as_seeded(no_perturb_env):
+    setup(seed=0)
+    before = _fresh_variables()
+    setup(seed=0, perturb_ulp=True)
+    _fresh_variables()
+    setup(seed=0)  # the environment says nothing: off again
+    after = _fresh_variables()
+    for name in before:
+        np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+
+
+def test_the_perturbed_run_is_itself_reproducible(no_perturb_env):
+    setup(seed=0, perturb_ulp=True)
+    first = _fresh_variables()
+    setup(seed=0, perturb_ulp=True)
+    second = _fresh_variables()
+    for name in first:
+        np.testing.assert_array_equal(second[name], first[name], err_msg=name)
+    setup(seed=1, perturb_ulp=True)
+    other_seed = tf.Variable(tf.fill([256], 1.5)).numpy()
+    setup(seed=0, perturb_ulp=True)
+    assert (tf.Variable(tf.fill([256], 1.5)).numpy() != other_seed).any()
+
+
+@pytest.mark.parametrize(("value", "switch", "perturbed"), [("1", None, True), ("0", None, False), ("", None, False),
+                                                            ("1", False, False), ("0", True, True)])
+def test_the_environment_variable_turns_it_on_unless_the_argument_says(monkeypatch, value, switch, perturbed):
+    monkeypatch.setenv(PERTURB_ULP_ENV, value)
+    setup(seed=0, perturb_ulp=switch)
+    moved = float(tf.Variable(tf.constant(1.0)).numpy()) != 1.0
+    assert moved is perturbed
+
+
+def test_a_value_the_author_typed_is_not_moved(no_perturb_env):
+    # tf.Variable(1.0) or ([3.0, 4.0]) is the same on every CPU, and often the very point a
+    # chapter studies (b = 1, where x^b turns NaN below); what TensorFlow computes is moved.
+    setup(seed=0, perturb_ulp=True)
+    assert float(tf.Variable(1.0).numpy()) == 1.0 and float(tf.Variable(-50.0).numpy()) == -50.0
+    assert tf.Variable([3.0, 4.0]).numpy().tolist() == [3.0, 4.0]
+    assert tf.Variable([[0.5], [2.0]]).numpy().tolist() == [[0.5], [2.0]]
+    assert float(tf.Variable(tf.constant(1.0)).numpy()) != 1.0
+    assert float(tf.Variable(np.float32(1.0)).numpy()) != 1.0
+
+
+def test_a_bad_environment_value_or_argument_is_rejected(monkeypatch):
+    monkeypatch.setenv(PERTURB_ULP_ENV, "yes")
+    with pytest.raises(ValueError, match="COMPANION_PERTURB_ULP must be unset, '0' or '1', got 'yes'"):
+        setup(seed=0)
+    with pytest.raises(TypeError, match="perturb_ulp must be None, True or False, got int 1"):
+        setup(seed=0, perturb_ulp=1)
+
+
+@pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16, tf.float32, tf.float64])
+def test_every_float_dtype_moves_to_a_neighbouring_float_and_special_values_stay(no_perturb_env, dtype):
+    bits = {tf.float16: tf.int16, tf.bfloat16: tf.int16, tf.float32: tf.int32, tf.float64: tf.int64}[dtype]
+    big = float(tf.as_dtype(dtype).max)
+    values = tf.constant([1.0, -1.0, 0.5, -3.25, 1e-3, big, -big, 0.0, -0.0, np.inf, -np.inf, np.nan], dtype)
+    setup(seed=0, perturb_ulp=True)
+    moved = tf.Variable(values).read_value()
+    step = (tf.bitcast(moved, bits) - tf.bitcast(values, bits)).numpy()
+    finite = 7  # the first seven are finite and non-zero: each went to the next float up or down
+    assert set(np.abs(step[:finite]).tolist()) == {1}, step
+    assert np.isfinite(tf.cast(moved, tf.float64).numpy()[:finite]).all()  # not past the largest float
+    assert (step[finite:] == 0).all(), "a zero, an infinity or a NaN moved"
+    assert tf.Variable(tf.constant(7)).numpy() == 7 and tf.Variable(tf.constant([True])).numpy().all()  # as they are
+
+
+def test_variables_under_a_strategy_and_restored_values_are_not_moved(no_perturb_env, tmp_path):
+    setup(seed=0, perturb_ulp=True)
+    with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
+        assert float(tf.Variable(tf.constant(1.0)).numpy()) == 1.0
+    saved = tf.Variable(tf.constant([0.1, 0.2, 0.3]))
+    path = tf.train.Checkpoint(v=saved).save(str(tmp_path / "ckpt"))
+    fresh = tf.Variable(tf.constant([0.5, 0.5, 0.5]))
+    tf.train.Checkpoint(v=fresh).restore(path).assert_consumed()
+    np.testing.assert_array_equal(fresh.numpy(), saved.numpy())  # bit for bit, the checkpoint's value

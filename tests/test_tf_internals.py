@@ -236,3 +236,33 @@ def test_keras_builds_compiled_metrics_from_an_element_spec():
         _tf_internals.build_compiled_state(model, spec)
     assert sorted(model.get_metrics_result()) == ["loss", "mae"]
     assert len(model.metrics_variables) == 4  # loss total/count, mae total/count: built before any step
+
+
+def test_restore_on_create_passes_a_checkpoint_value_that_is_recognised():
+    # A variable created after `restore()` (Keras' and tf.Module's "restore on create")
+    # receives its checkpoint value as initial_value through every variable creator;
+    # companion.notebook's ulp perturbation must recognise it and leave it alone.
+    import tempfile
+
+    from tensorflow.python.trackable import autotrackable  # the canary names the private class
+
+    seen = []
+
+    def spy(next_creator, **kwargs):
+        seen.append(_tf_internals.is_checkpoint_restore(kwargs["initial_value"]))
+        return next_creator(**kwargs)
+
+    with tempfile.TemporaryDirectory() as folder:
+        saved = autotrackable.AutoTrackable()
+        saved.v = tf.Variable([0.25, 0.5])
+        path = tf.train.Checkpoint(root=saved).save(folder + "/ckpt")
+        fresh = autotrackable.AutoTrackable()
+        tf.train.Checkpoint(root=fresh).restore(path)
+        with tf.variable_creator_scope(spy):
+            fresh.v = fresh._add_variable_with_custom_getter(
+                "v", getter=lambda name, shape, dtype, initializer, **kw: tf.Variable(initializer, name=name),
+                shape=[2], dtype=tf.float32, initializer=tf.zeros([2]))
+    assert seen == [True], "restore on create no longer passes a recognisable checkpoint value"
+    np.testing.assert_array_equal(fresh.v.numpy(), [0.25, 0.5])
+    assert not _tf_internals.is_checkpoint_restore(tf.zeros([2]))
+    assert not _tf_internals.is_checkpoint_restore(lambda: tf.zeros([2]))
