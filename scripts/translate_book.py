@@ -329,11 +329,36 @@ def annotate_first_uses(texts: list[str], terms: list[tuple[str, str]] | None = 
     return out
 
 
+#: The labels of the toggles of hidden code cells (myst-nb's cell-level ``code_prompt_show``/``code_prompt_hide``,
+#: set by scripts/hide_solutions.py): prose in a code cell's metadata, the one part of a code cell translated.
+PROMPTS = [
+    (re.compile(r"^Solution to exercise (\d+): show the code and its output$"), r"练习 \1 的解答：显示代码及其输出"),
+    (re.compile(r"^Solution to exercise (\d+): hide$"), r"练习 \1 的解答：隐藏"),
+    (re.compile(r"^Solution: show the code and its output$"), "解答：显示代码及其输出"),
+    (re.compile(r"^Solution: hide$"), "解答：隐藏"),
+]
+PROMPT_KEYS = ("code_prompt_show", "code_prompt_hide")
+#: myst-nb's own toggle labels ("Show code cell source"), for the Chinese build.
+ZH_NB_PROMPTS = {"nb_code_prompt_show": "显示代码单元", "nb_code_prompt_hide": "隐藏代码单元"}
+
+
+def _translated_prompt(text: str) -> str:
+    for pattern, replacement in PROMPTS:
+        if pattern.match(text):
+            return pattern.sub(replacement, text)
+    return text
+
+
 def chinese_notebook_text(page: pathlib.Path, found: dict[str, str]) -> str:
     import nbformat
 
     nb = read_notebook(page)
     zh = copy.deepcopy(nb)
+    for cell in zh["cells"]:
+        mystnb = cell.get("metadata", {}).get("mystnb", {})
+        for key in PROMPT_KEYS:
+            if isinstance(mystnb.get(key), str):
+                mystnb[key] = _translated_prompt(mystnb[key])
     markdown = [cell for cell in zh["cells"] if cell["cell_type"] == "markdown"]
     for cell, text in zip(markdown, annotate_first_uses([found[cell["id"]] for cell in markdown])):
         cell["source"] = text.splitlines(keepends=True)
@@ -383,6 +408,7 @@ def chinese_config_text(site: dict[str, str]) -> str:
     sphinx["local_extensions"] = {name: _relative_to_zh(path) for name, path in extensions.items()}
     cfg = sphinx.setdefault("config", {})
     cfg["language"] = "zh_CN"
+    cfg.update(ZH_NB_PROMPTS)
     for key in ("html_static_path", "templates_path", "html_extra_path"):
         if key in cfg:
             cfg[key] = [_relative_to_zh(p) for p in cfg[key]]
@@ -580,6 +606,76 @@ def refresh_rewrapped() -> list[str]:
     return refreshed
 
 
+_LABEL = re.compile(r"^\([\w-]+\)=[ \t]*\n", re.M)
+_HEADING_LINE = re.compile(r"^#{1,6} .*$", re.M)
+_ADMONITION_WRAP = re.compile(
+    r"^(?P<fence>`{3,}|:{3,})\{(?:admonition|dropdown)\}[ \t]*(?P<title>[^\n]*)\n"
+    r"(?P<options>(?::[\w-]+:[^\n]*\n)*)(?P<body>.*?)\n(?P=fence)[ \t]*$",
+    re.S | re.M,
+)
+_DETAILS_WRAP = re.compile(r'<details class="solution">\s*<summary>(?P<title>.*?)</summary>\s*(?P<body>.*?)\s*</details>',
+                           re.S)
+
+
+def _as_details(text: str) -> str:
+    """``text`` with each admonition/dropdown wrapper written as the book's hidden solution (``<details>``)."""
+    def wrap(match):
+        return (f'<details class="solution">\n<summary>{match.group("title").strip()}</summary>\n\n'
+                f'{match.group("body").strip()}\n\n</details>')
+    return _ADMONITION_WRAP.sub(wrap, text)
+
+
+def _carry_structure(old_en: str, new_en: str, old_zh: str) -> str | None:
+    """The translation of ``new_en`` when it differs from ``old_en`` only by structure the translation can take
+    over as it is: MyST labels ``(name)=`` before headings, and solution wrappers (admonition -> ``<details>``).
+    None if anything else changed."""
+    def flat(text):
+        return " ".join(text.split())
+
+    bare_new = _LABEL.sub("", new_en)
+    zh = old_zh
+    if flat(_as_details(old_en)) == flat(_as_details(bare_new)) and _as_details(old_en) != old_en or (
+            "<details" in bare_new and flat(_as_details(old_en)) == flat(bare_new)):
+        zh = _as_details(zh)
+    elif flat(old_en) != flat(bare_new):
+        return None
+    # labels: before the k-th heading of the English, before the k-th heading of the Chinese
+    en_headings = list(_HEADING_LINE.finditer(bare_new))
+    zh_headings = list(_HEADING_LINE.finditer(zh))
+    if len(en_headings) != len(zh_headings):
+        return None
+    inserts = []
+    for label in _LABEL.finditer(new_en):
+        after = _HEADING_LINE.search(new_en, label.end())
+        if after is None or after.start() != label.end():
+            return None
+        k = sum(1 for h in _HEADING_LINE.finditer(new_en) if h.start() < after.start())
+        inserts.append((zh_headings[k].start(), label.group(0)))
+    for position, label in sorted(inserts, reverse=True):
+        if zh[position - len(label):position] != label:
+            zh = zh[:position] + label + zh[position:]
+    return zh
+
+
+def carry_structure() -> list[str]:
+    """Bring stale translations up to date where the English changed only in labels or solution wrappers."""
+    carried = []
+    for page in [None, *english_pages()]:
+        problems = [p for p in translations(page)[1] if p.kind == "stale"]
+        if not problems:
+            continue
+        path = SITE_STORE if page is None else store_path(page)
+        store = load_store(path)
+        for problem in problems:
+            zh = _carry_structure(problem.old_english, problem.unit.text, problem.old_chinese)
+            if zh is not None:
+                en = normalize(problem.unit.text)
+                store["units"][problem.unit.key] = {"en_sha256": sha256(en), "en": en, "zh": normalize(zh)}
+                carried.append(str(problem))
+        save_store(path, store.get("source", path.name), store["units"])
+    return carried
+
+
 def stale_report() -> str:
     lines = []
     for problem in all_problems():
@@ -600,7 +696,8 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--import", dest="import_", metavar="PAGE", help="store the translations read from stdin")
     group.add_argument("--prune", action="store_true", help="drop stored translations of units that are gone")
     group.add_argument("--rewrapped", action="store_true",
-                       help="keep the translations of units whose English was only re-wrapped")
+                       help="keep the translations of units whose English was only re-wrapped, or changed "
+                            "only in MyST labels or solution wrappers (carried over into the Chinese)")
     parser.add_argument("--draft", action="store_true",
                         help="write zh/ even with stale (old translation kept) or missing (English) units")
     parser.add_argument("--todo", action="store_true", help="with --export: only the missing and stale units")
@@ -618,6 +715,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.rewrapped:
         for line in refresh_rewrapped():
             print("kept (only re-wrapped):", line)
+        for line in carry_structure():
+            print("kept (labels or solution wrappers carried over):", line)
         return 0
     if args.stale:
         report = stale_report()

@@ -3,7 +3,8 @@
 - every unit of English text (a markdown cell, a block of a page, a site string) has a translation of its
   current English text: a missing or stale one fails, naming the page and the cell;
 - every Chinese notebook has the English notebook's cells, with code, outputs, execution counts and metadata
-  byte for byte the same; only the markdown sources differ;
+  byte for byte the same; only the markdown sources differ, and the labels of the toggles that hide solution
+  code (myst-nb's ``code_prompt_show``/``code_prompt_hide``), which are translated;
 - zh/ is exactly what the script writes (nobody edited a generated file, nothing was left out);
 - the translations are Chinese, keep the English's math and code, and use the glossary's terms;
 - nbval never collects the Chinese notebooks (they would run the same code a second time).
@@ -45,6 +46,20 @@ def test_every_english_cell_has_a_current_translation(page):
     )
 
 
+def _without_prompts(cell: dict, check_chinese: list | None = None, index: int = 0) -> dict:
+    """A code cell without the labels of its toggle (myst-nb's code_prompt_show/hide), the one part of a code
+    cell the Chinese edition translates; with ``check_chinese``, a label that is not Chinese is reported there."""
+    cell = json.loads(json.dumps(cell))
+    mystnb = cell.get("metadata", {}).get("mystnb", {})
+    for key in translate_book.PROMPT_KEYS:
+        label = mystnb.pop(key, None)
+        if check_chinese is not None and label is not None and not CJK.search(label):
+            check_chinese.append(f"cell {index} (id {cell['id']}): {key} {label!r} is not translated")
+    if mystnb == {} and "mystnb" in cell.get("metadata", {}):
+        del cell["metadata"]["mystnb"]
+    return cell
+
+
 @pytest.mark.parametrize("page", NOTEBOOKS, ids=_name)
 def test_chinese_notebook_has_the_english_code_and_outputs(page):
     twin = translate_book.zh_path(page)
@@ -63,6 +78,7 @@ def test_chinese_notebook_has_the_english_code_and_outputs(page):
             if rest_en != rest_zh:
                 differing.append(f"cell {index} (id {en['id']}): markdown metadata or attachments")
             continue
+        en, zh = _without_prompts(en), _without_prompts(zh, check_chinese=differing, index=index)
         for field in sorted(set(en) | set(zh)):
             if json.dumps(en.get(field), sort_keys=True) != json.dumps(zh.get(field), sort_keys=True):
                 differing.append(f"cell {index} (id {en['id']}): {field}")
@@ -121,6 +137,9 @@ def _kept(text: str) -> dict[str, list[str]]:
         # code blocks (```python, ```bash, ```); a ```{directive} holds prose and is translated
         "code blocks": sorted(re.findall(r"^```[\w+-]*\n.*?^```", text, flags=re.S | re.M)),
         "directives": sorted(re.findall(r"^(?::{3,}|`{3,})(\{[\w:-]+\})", text, flags=re.M)),
+        # MyST labels (cross-reference targets) and the wrappers that hide solutions
+        "labels": sorted(re.findall(r"^\([\w-]+\)=", text, flags=re.M)),
+        "hidden solutions": re.findall(r'<details class="solution">|</details>', text),
     }
 
 
