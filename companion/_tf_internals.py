@@ -296,14 +296,17 @@ def strategy_supports_no_merge_call() -> bool:
 
 
 # --------------------------------------------------------------------------------------
-# 7. Op callbacks and the check-numerics state (companion.diagnostics.locate_nonfinite)
+# 7. Op callbacks and the check-numerics state (companion.diagnostics)
 # --------------------------------------------------------------------------------------
 # Relies on: ``tensorflow.python.framework.op_callbacks.add_op_callback`` /
-# ``remove_op_callback`` (to record the name scope of each eager op), and the module
-# state ``tensorflow.python.debug.lib.check_numerics_callback._state`` (whether the
-# user had ``enable_check_numerics`` on, so it can be restored).
-# If gone: the location is reported without its name scope; the user's check-numerics
-# setting is assumed off.
+# ``remove_op_callback``: the op-by-op re-run of the diagnostics sees every eager op's
+# inputs and outputs through one. TensorFlow hands each callback's return value to the
+# next callback as the op's outputs while it builds a graph (a ``dataset.map`` inside
+# the traced code), so a callback must return ``outputs``, never ``None``. Also the
+# module state ``tensorflow.python.debug.lib.check_numerics_callback._state`` (whether
+# the user had ``enable_check_numerics`` on, so it can be paused and restored).
+# If gone: no op is seen (a warning says so): diagnoses name the batch and the
+# variables but no op; the user's check-numerics setting is assumed off.
 
 
 @contextlib.contextmanager
@@ -314,7 +317,7 @@ def op_callback(callback: Callable) -> Iterator[bool]:
     except ImportError:  # pragma: no cover
         op_callbacks = None
     if op_callbacks is None or not hasattr(op_callbacks, "add_op_callback"):  # pragma: no cover
-        warn_once("op_callbacks", "tensorflow op_callbacks are gone: locate_nonfinite reports no name scopes")
+        warn_once("op_callbacks", "tensorflow op_callbacks are gone: the NaN doctor cannot see ops one by one")
         yield False
         return
     op_callbacks.add_op_callback(callback)
@@ -336,39 +339,82 @@ def check_numerics_enabled() -> bool:
 
 
 # --------------------------------------------------------------------------------------
-# 8. The forward op of a gradient being computed (from a traceback)
+# 8. The forward op of a gradient being computed (from a traceback or the live stack)
 # --------------------------------------------------------------------------------------
 # Relies on: eager ``GradientTape.gradient`` calling each op's registered gradient from
-# ``tensorflow/python/eager/backprop.py``'s ``_gradient_function(op_name, ...)``; its
-# local ``op_name`` is the forward op's type.
-# If gone: the report still says "gradient" (from ``imperative_grad`` on the stack) but
-# not of which forward op.
+# ``tensorflow/python/eager/backprop.py``'s ``_gradient_function(op_name, attr_tuple,
+# num_inputs, inputs, outputs, out_grads, skip_input_indices, forward_pass_name_scope)``;
+# its local ``op_name`` is the forward op's type and ``inputs``/``outputs`` the forward
+# op's tensors (the op-by-op re-run maps them back to the forward op's record).
+# Also relies on ``GradientTape.gradient`` (backprop.py) and ``imperative_grad``
+# (imperative_grad.py) being Python frames on the stack while the tape runs ops.
+# If gone: a gradient op is reported as an op of the forward pass, without the forward
+# op it differentiates, its layer and its line (no warning: the stack is only read).
 
 
-def frame_phase(frame) -> tuple[str | None, str | None]:
-    """What a traceback frame of eager backprop is doing.
+def backprop_forward_op(frame) -> dict[str, Any] | None:
+    """The forward op that eager backprop is differentiating, seen from ``frame`` outwards.
 
-    Returns ``("gradient function", forward op type)`` for the frame that calls one
-    op's registered gradient, ``("gradient", None)`` for the other frames of
-    ``GradientTape.gradient``, and ``(None, None)`` for any other frame.
+    Returns ``None`` outside ``GradientTape.gradient``; else a dict with the forward op's
+    ``op_type``, the ``inputs`` and ``outputs`` the tape kept for it (tensors, or
+    ``None`` where the gradient does not need them) and its forward ``scope``.
     """
-    code = frame.f_code
-    if code.co_name == "_gradient_function" and code.co_filename.endswith("backprop.py"):
-        forward = frame.f_locals.get("op_name")
-        return "gradient function", forward.decode() if isinstance(forward, bytes) else forward
-    if code.co_name in ("imperative_grad", "gradient") and "backprop" in code.co_filename:
-        return "gradient", None
-    return None, None
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_gradient_function" and code.co_filename.endswith("backprop.py"):
+            local = frame.f_locals
+            forward = local.get("op_name")
+            return {
+                "op_type": forward.decode() if isinstance(forward, bytes) else str(forward),
+                "inputs": tuple(local.get("inputs") or ()),
+                "outputs": tuple(local.get("outputs") or ()),
+                "scope": local.get("forward_pass_name_scope"),
+            }
+        frame = frame.f_back
+    return None
+
+
+def in_backprop(frame) -> bool:
+    """Whether ``frame`` (or a caller) runs inside eager ``GradientTape.gradient``."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "imperative_grad" and code.co_filename.endswith("imperative_grad.py"):
+            return True
+        if code.co_name == "gradient" and code.co_filename.endswith("backprop.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+# --------------------------------------------------------------------------------------
+# 8b. The arguments of the running ``model.fit`` (companion.diagnostics.NaNDoctor)
+# --------------------------------------------------------------------------------------
+# Relies on: Keras 3's ``Trainer.fit(self, x, y, batch_size, ..., sample_weight, ...)``
+# being on the stack, with those local names, when it calls a callback's batch hooks.
+# If gone: the NaNDoctor callback needs its ``data`` argument (it says so).
+
+
+def running_fit_arguments(frame) -> dict[str, Any] | None:
+    """``x``, ``y``, ``sample_weight`` and ``batch_size`` of the ``fit`` call on the stack."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "fit" and "keras" in code.co_filename:
+            local = frame.f_locals
+            if "x" in local and "self" in local:
+                return {name: local.get(name) for name in ("x", "y", "sample_weight", "batch_size")}
+        frame = frame.f_back
+    warn_once("fit frame", "keras' fit is not on the stack with its arguments: pass NaNDoctor(data=...)")
+    return None
 
 
 # --------------------------------------------------------------------------------------
 # 9. TensorFlow's error texts
 # --------------------------------------------------------------------------------------
 # Relies on: the wording of TensorFlow's messages for (a) an XLA compilation failure,
-# (b) an aborted collective, (c) a CheckNumerics failure. They are not an API.
+# (b) an aborted collective. They are not an API.
 # If gone: (a) an XLA failure is raised instead of retried without XLA; (b) the
-# WorkerLostError message quotes the first line of TensorFlow's error; (c) the
-# location lacks dtype, shape or counts. Each canary test provokes the real error.
+# WorkerLostError message quotes the first line of TensorFlow's error. Each canary
+# test provokes the real error.
 
 _XLA_MARKERS = ("_XlaMustCompile", "XLA_CPU_JIT", "XLA_GPU_JIT", "XLA_TPU_JIT", "could not be compiled", "XlaCompile")
 
@@ -408,38 +454,8 @@ def tasks_named_in(text: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(re.findall(r"/job:\w+/replica:\d+/task:\d+", text)))
 
 
-_CHECK_OP = re.compile(r'Detected Infinity or NaN in output (\d+) of (?:graph|eagerly-executing) op "([^"]+)"')
-_CHECK_DTYPE = re.compile(r"dtype: <dtype: '([^']+)'>")
-_CHECK_SHAPE = re.compile(r"shape: \(([^)]*)\)")
-
-
-def is_check_numerics_failure(error: Exception) -> bool:
-    """Whether ``error`` is the error of a failed numerics check."""
-    return "Detected Infinity or NaN" in str(error)
-
-
-def parse_check_numerics_message(message: str) -> dict[str, Any]:
-    """Op type, dtype, shape, NaN and Inf counts from a CheckNumerics error message."""
-    op = _CHECK_OP.search(message)
-    op_type = op.group(2) if op else "unknown"
-    quoted = re.fullmatch(r"b'(.*)'", op_type)
-    dtype = _CHECK_DTYPE.search(message)
-    shape_match = _CHECK_SHAPE.search(message)
-    shape = None
-    if shape_match:
-        dims = [d.strip() for d in shape_match.group(1).split(",") if d.strip()]
-        shape = tuple(None if d == "None" else int(d) for d in dims)
-    return {
-        "op_type": quoted.group(1) if quoted else op_type,
-        "dtype": dtype.group(1) if dtype else None,
-        "shape": shape,
-        "nan_count": sum(int(n) for n in re.findall(r"# of \+?NaN elements: (\d+)", message)),
-        "inf_count": sum(int(n) for n in re.findall(r"# of [+-]Inf elements: (\d+)", message)),
-    }
-
-
 # --------------------------------------------------------------------------------------
-# 9. A variable's initial value that restores a checkpoint (the ulp perturbation)
+# 10. A variable's initial value that restores a checkpoint (the ulp perturbation)
 # --------------------------------------------------------------------------------------
 # Relies on: ``tf.train.Checkpoint`` restoring a variable that is created after
 # ``restore()`` was called ("restore on create") by passing a

@@ -153,7 +153,10 @@ def test_locate_finds_a_gradient_nan_under_a_finite_forward_pass():
     # The first non-finite value is the Inf of d sqrt(u) / du at u = 0 (the NaN comes after).
     assert (where.op_type, where.phase, where.gradient_of) == ("SqrtGrad", "gradient", "Sqrt")
     assert where.op_name.startswith("gradient_tape") and where.inf_count == 1
-    assert where.lineno == line_of(step, "tape.gradient") and "tape.gradient" in where.source
+    # The layer and line of the forward op (as PyTorch's anomaly mode), then where the tape ran.
+    assert where.layer == "net/sqrt_wx" and where.filename.endswith("training_data.py")
+    assert where.lineno == line_of(SqrtOfProduct.call, "tf.sqrt") and "tf.sqrt" in where.source
+    assert where.gradient_lineno == line_of(step, "tape.gradient")
 
 
 def test_locate_sees_through_xla_compiled_functions():

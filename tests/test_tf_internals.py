@@ -7,6 +7,7 @@ silently taking its slower or less informative fall-back.
 
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
 
@@ -167,10 +168,45 @@ def test_eager_backprop_names_the_forward_op_of_a_failing_gradient():
         return tape.gradient(y, x)
 
     where = locate_nonfinite(step)
-    # phase from imperative_grad, gradient_of from backprop._gradient_function's op_name
+    # phase and gradient_of from backprop._gradient_function's locals, seen by an op callback
     assert (where.op_type, where.phase, where.gradient_of) == ("SqrtGrad", "gradient", "Sqrt")
-    # and the message text: dtype, shape and counts parsed
     assert (where.dtype, where.shape, where.inf_count) == ("float32", (2,), 1)
+
+
+def test_eager_backprop_exposes_the_forward_op_and_its_tensors_to_op_callbacks():
+    seen = []
+
+    def callback(op_type, inputs, attrs, outputs, op_name=None, graph=None):
+        frame = sys._getframe(1)
+        seen.append((op_type, _tf_internals.backprop_forward_op(frame), _tf_internals.in_backprop(frame)))
+        return outputs
+
+    x = tf.Variable([4.0])
+    with tf.GradientTape() as tape:
+        y = tf.sqrt(x)
+    with _tf_internals.op_callback(callback):
+        tape.gradient(y, x)
+    (_, forward, inside), *_ = [s for s in seen if s[0] in ("SqrtGrad", b"SqrtGrad")]
+    assert forward["op_type"] == "Sqrt" and inside
+    assert any(t is not None and float(t.numpy()[0]) == 2.0 for t in forward["outputs"])
+    assert _tf_internals.backprop_forward_op(sys._getframe()) is None
+    assert not _tf_internals.in_backprop(sys._getframe())
+
+
+def test_keras_fit_is_on_the_stack_of_a_callback_with_its_arguments():
+    found = []
+
+    class Peek(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            found.append(_tf_internals.running_fit_arguments(sys._getframe(1)))
+
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    model.compile(loss="mse", optimizer="sgd")
+    x = np.ones((4, 1), "float32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", _tf_internals.InternalAPIWarning)
+        model.fit(x, x, batch_size=2, epochs=1, verbose=0, callbacks=[Peek()])
+    assert found[0]["x"] is x and found[0]["batch_size"] == 2
 
 
 def test_xla_failure_text_is_recognised():

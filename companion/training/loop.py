@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from companion import _tf_internals
 from companion.diagnostics import GradientRecord, GradientReport
+from companion.diagnostics.hooks import diagnose_skipped_step
 from companion.training.cluster import PEER_FAILURES, arm_exit_after_worker_loss
 from companion.training.inputs import as_dataset, check_arguments, validation_dataset
 from companion.training.masking import UnmaskableUpdate
@@ -356,6 +357,8 @@ def _record(run: Run, out: dict[str, np.ndarray], epoch: int, applied_losses: li
             SkippedStep(
                 step=index, epoch=epoch, loss=step_loss, gradients=GradientReport(records), loss_scale=scale,
                 grad_norm=history.grad_norm[-1],
+                # The NaN doctor, once per run: on the first skipped step only.
+                diagnosis=None if history.reports else diagnose_skipped_step(run, index),
             )
         )
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from companion.diagnostics import GradientRecord, GradientReport
+from companion.diagnostics import Diagnosis, GradientRecord, GradientReport
 
 __all__ = ["NonFiniteError", "SkippedStep", "TrainingHistory", "WorkerLostError"]
 
@@ -67,6 +67,9 @@ class SkippedStep:
             gradients summed over replicas.
         loss_scale: the dynamic loss scale used in that step (mixed float16), else
             ``None``.
+        diagnosis: on the first skipped step of a run, the NaN doctor's
+            :class:`~companion.diagnostics.Diagnosis` of its batch (op, layer, line,
+            cause, fix); ``None`` on the others, or if the NaN did not reproduce.
     """
 
     step: int
@@ -75,6 +78,7 @@ class SkippedStep:
     gradients: GradientReport
     loss_scale: float | None = None
     grad_norm: float | None = None
+    diagnosis: Diagnosis | None = None
 
     def __str__(self) -> str:
         scale = f", loss scale {self.loss_scale:g}" if self.loss_scale is not None else ""
@@ -98,6 +102,7 @@ class SkippedStep:
             "loss": self.loss,
             "loss_scale": self.loss_scale,
             "grad_norm": self.grad_norm,
+            "diagnosis": self.diagnosis.to_dict() if self.diagnosis is not None else None,
             "gradients": [
                 {field.name: getattr(r, field.name) for field in dataclasses.fields(r)} for r in self.gradients
             ],
@@ -114,6 +119,7 @@ class SkippedStep:
             gradients=GradientReport(records),
             loss_scale=data.get("loss_scale"),
             grad_norm=data.get("grad_norm"),
+            diagnosis=Diagnosis.from_dict(data["diagnosis"]) if data.get("diagnosis") else None,
         )
 
 

@@ -1,39 +1,24 @@
-"""Which gradients are non-finite, and where the first NaN appears.
+"""Which variables receive non-finite gradients on one batch.
 
-Two tools for the two questions one asks when training turns NaN:
-
-* :func:`nonfinite_gradients` answers *which variables* receive NaN or Inf gradients
-  on a given batch: one forward and backward pass, no update, a record per variable.
-* :func:`locate_nonfinite` answers *where* the first non-finite value is produced:
-  it runs a function eagerly under TensorFlow's numerics checks and reports the op
-  (forward or gradient), its name scope, the Keras layer and the line of user code.
-
-Both return plain frozen dataclasses with a readable ``str``, so a chapter can simply
-``print`` them.
+:func:`nonfinite_gradients` runs one forward and backward pass, applies no update, and
+returns a :class:`GradientReport`: one :class:`GradientRecord` per variable.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import linecache
 import math
-import os
-import sysconfig
-import traceback
 from typing import Any, Callable, Iterable, Sequence
 
 import keras
 import tensorflow as tf
 
-from companion import _tf_internals
 from companion._gradients import gradient_values
 from companion.losses import mean_loss, resolve_loss
 
 __all__ = [
     "GradientRecord",
     "GradientReport",
-    "NonFiniteLocation",
-    "locate_nonfinite",
     "nonfinite_gradients",
 ]
 
@@ -286,229 +271,3 @@ def nonfinite_gradients(model: keras.layers.Layer, loss: Callable | str, batch: 
         max_abs.numpy(),
         [g is not None for g in gradients],
     )
-
-
-# --------------------------------------------------------------------------------------
-# locate_nonfinite
-# --------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class NonFiniteLocation:
-    """Where the first NaN or Inf appeared, as found by :func:`locate_nonfinite`.
-
-    Attributes:
-        op_type: type of the op whose output was not finite, e.g. ``"Log"`` or
-            ``"SqrtGrad"``.
-        op_name: a readable name for that op. Eagerly executed ops have no graph name,
-            so this is the TensorFlow name scope the op ran in followed by its type,
-            e.g. ``"sequential/dense/MatMul"``; ops of the backward pass run in the
-            ``"gradient_tape"`` scope, as in TensorFlow's own gradient graphs.
-        phase: ``"forward"`` or ``"gradient"`` (the op ran inside
-            ``GradientTape.gradient``).
-        gradient_of: for a gradient op, the type of the forward op whose registered
-            gradient produced the value (``"Sqrt"`` for ``"SqrtGrad"``); else ``None``.
-        layer: path of the innermost Keras layer whose ``call`` was running, if any.
-        filename: file of the innermost line of user code (not TensorFlow or Keras) on
-            the stack; for a gradient op this is where ``tape.gradient`` was called.
-        lineno: its line number.
-        source: the text of that line.
-        dtype: dtype of the non-finite tensor, e.g. ``"float32"``.
-        shape: its shape.
-        nan_count: number of NaN entries.
-        inf_count: number of ``+Inf`` and ``-Inf`` entries.
-        message: TensorFlow's full check-numerics message.
-    """
-
-    op_type: str
-    op_name: str
-    phase: str
-    gradient_of: str | None
-    layer: str | None
-    filename: str | None
-    lineno: int | None
-    source: str | None
-    dtype: str | None
-    shape: tuple[int | None, ...] | None
-    nan_count: int
-    inf_count: int
-    message: str = dataclasses.field(repr=False)
-
-    def __str__(self) -> str:
-        kind = f"gradient of {self.gradient_of}" if self.gradient_of else self.phase
-        counts = []
-        if self.nan_count:
-            counts.append(f"{self.nan_count} NaN")
-        if self.inf_count:
-            counts.append(f"{self.inf_count} Inf")
-        lines = [
-            f"first non-finite value: output of op {self.op_type} ({kind})",
-            f"  op name:   {self.op_name}",
-            f"  tensor:    {self.dtype} {self.shape}" + (f", {', '.join(counts)}" if counts else ""),
-        ]
-        if self.layer:
-            lines.append(f"  layer:     {self.layer}")
-        if self.filename is not None:
-            lines.append(f"  user code: {os.path.basename(self.filename)}:{self.lineno}: {self.source}")
-        return "\n".join(lines)
-
-
-_LIBRARY_PACKAGES = frozenset(
-    {"tensorflow", "keras", "tf_keras", "absl", "numpy", "tensorflow_probability", "ml_dtypes"}
-)
-_STDLIB = os.path.normcase(os.path.realpath(sysconfig.get_paths()["stdlib"]))
-
-
-def _is_library_file(filename: str) -> bool:
-    if filename == __file__ or filename.startswith("<frozen"):
-        return True
-    normalized = os.path.normcase(os.path.realpath(filename))
-    parts = normalized.split(os.sep)
-    for i, part in enumerate(parts[:-1]):
-        if part in ("site-packages", "dist-packages") and parts[i + 1] in _LIBRARY_PACKAGES:
-            return True
-    return normalized.startswith(_STDLIB + os.sep) and "site-packages" not in parts
-
-
-class _ScopeRecorder:
-    """Op callback that remembers the type and name scope of the last eager op."""
-
-    def __init__(self) -> None:
-        self.last: tuple[str, str] | None = None
-
-    def __call__(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
-        if graph is None:
-            op_type = op_type.decode() if isinstance(op_type, bytes) else str(op_type)
-            if not op_type.startswith("CheckNumerics"):
-                self.last = (op_type, tf.get_current_name_scope())
-        return None
-
-
-def _parse_location(error: tf.errors.InvalidArgumentError, recorder: _ScopeRecorder) -> NonFiniteLocation:
-    message = error.message if hasattr(error, "message") else str(error)
-    parsed = _tf_internals.parse_check_numerics_message(message)
-    op_type = parsed["op_type"]
-
-    phase, gradient_of, layer, user_frame = "forward", None, None, None
-    for frame, lineno in traceback.walk_tb(error.__traceback__):
-        code = frame.f_code
-        kind, forward_op = _tf_internals.frame_phase(frame)
-        if kind == "gradient function":
-            phase, gradient_of = "gradient", forward_op
-            layer = None  # layers on the stack belong to the caller, not to this op
-        elif kind == "gradient":
-            phase = "gradient"
-        this = frame.f_locals.get("self")
-        if phase == "forward" and isinstance(this, keras.layers.Layer) and code.co_name == "call":
-            layer = str(getattr(this, "path", None) or this.name)
-        if not _is_library_file(code.co_filename):
-            user_frame = (code.co_filename, lineno)
-
-    scope = None
-    if recorder.last is not None and recorder.last[0] == op_type:
-        scope = recorder.last[1]
-    scope = scope.strip("/") if scope else ""
-    if phase == "gradient" and not scope.startswith("gradient_tape"):
-        scope = "gradient_tape/" + scope if scope else "gradient_tape"
-    op_name = f"{scope}/{op_type}" if scope else op_type
-
-    filename = lineno = source = None
-    if user_frame is not None:
-        filename, lineno = user_frame
-        source = linecache.getline(filename, lineno).strip() or None
-    return NonFiniteLocation(
-        op_type=op_type,
-        op_name=op_name,
-        phase=phase,
-        gradient_of=gradient_of,
-        layer=layer,
-        filename=filename,
-        lineno=lineno,
-        source=source,
-        dtype=parsed["dtype"],
-        shape=parsed["shape"],
-        nan_count=parsed["nan_count"],
-        inf_count=parsed["inf_count"],
-        message=message.strip(),
-    )
-
-
-def locate_nonfinite(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> NonFiniteLocation | None:
-    """Run ``fn(*args, **kwargs)`` under numerics checks and say where the first NaN/Inf appears.
-
-    ``fn`` runs eagerly, op by op, with :func:`tf.debugging.enable_check_numerics`
-    switched on, so the first op (of the forward pass or, if ``fn`` calls
-    ``tape.gradient``, of the backward pass) whose floating-point output contains a NaN
-    or an Inf stops it. The op is reported with its type, a name (name scope + type), the
-    Keras layer it ran in, and the line of user code on the stack.
-
-    Why eager and without XLA: :func:`tf.debugging.enable_check_numerics` works by
-    instrumenting every op's output. Inside a function compiled with XLA
-    (``jit_compile=True``, as in ``model.compile(jit_compile=True)`` or
-    :func:`companion.training.train`) the check ops are either dropped or break the
-    compilation (TensorFlow issue #59215), so a NaN goes unreported. While ``fn`` runs,
-    :func:`tf.config.run_functions_eagerly` is therefore ``True`` (every
-    ``tf.function``, compiled or not, runs as plain Python), and traceback filtering of
-    TensorFlow and Keras is off so the stack shows the user's frames. All three settings
-    and the check-numerics state are restored afterwards, even if ``fn`` raises.
-
-    Caveat: an intermediate Inf that is harmless by design (``-inf`` attention masks,
-    ``log(0)`` in the untaken branch of a ``tf.where``) is reported as well; that is
-    often exactly the bug (see the double-where), but not always.
-
-    Args:
-        fn: the code to check, e.g. a function that runs the model and
-            ``tape.gradient``.
-        *args: positional arguments for ``fn``.
-        **kwargs: keyword arguments for ``fn``.
-
-    Returns:
-        A :class:`NonFiniteLocation`, or ``None`` if ``fn`` ran to the end and every
-        checked op output was finite.
-
-    Raises:
-        TypeError: if ``fn`` is not callable.
-        Exception: whatever ``fn`` raises, other than the check-numerics error.
-
-    Example:
-        >>> x = tf.Variable([0.0, 1.0])
-        >>> def step():
-        ...     with tf.GradientTape() as tape:
-        ...         y = tf.reduce_sum(tf.sqrt(x))
-        ...     return tape.gradient(y, x)
-        >>> where = locate_nonfinite(step)
-        >>> where.op_type, where.phase, where.gradient_of
-        ('SqrtGrad', 'gradient', 'Sqrt')
-    """
-    if not callable(fn):
-        raise TypeError(f"fn must be callable, got {type(fn).__name__} {fn!r}")
-    was_eager = tf.config.functions_run_eagerly()
-    tf_filtering = tf.debugging.is_traceback_filtering_enabled()
-    keras_filtering = keras.config.is_traceback_filtering_enabled()
-    was_checking = _tf_internals.check_numerics_enabled()
-    recorder = _ScopeRecorder()
-    try:
-        tf.config.run_functions_eagerly(True)
-        tf.debugging.disable_traceback_filtering()
-        keras.config.disable_traceback_filtering()
-        if was_checking:  # re-register after the recorder so the recorder runs first
-            tf.debugging.disable_check_numerics()
-        with _tf_internals.op_callback(recorder):
-            tf.debugging.enable_check_numerics()
-            try:
-                fn(*args, **kwargs)
-            except tf.errors.InvalidArgumentError as error:
-                if not _tf_internals.is_check_numerics_failure(error):
-                    raise
-                return _parse_location(error, recorder)
-            finally:
-                tf.debugging.disable_check_numerics()
-        return None
-    finally:
-        if was_checking:
-            tf.debugging.enable_check_numerics()
-        tf.config.run_functions_eagerly(was_eager)
-        if tf_filtering:
-            tf.debugging.enable_traceback_filtering()
-        if keras_filtering:
-            keras.config.enable_traceback_filtering()

@@ -1,0 +1,228 @@
+"""What does the NaN doctor cost?
+
+Prints, for a model of about a million parameters (an elementwise sqrt(w x) layer in
+front of a 512 -> 1024 -> 512 -> 1 MLP) on 32 batches of 64 with a NaN gradient in batch
+k = 20 (one input feature of one row 0, where d sqrt(w x) / dw = 0 * inf):
+
+1. the time ``companion.diagnostics.diagnose`` takes from the call to the diagnosis
+   (tracing its compiled step, scanning batches 0..k, the op-by-op re-run of batch k),
+   against one epoch of ``model.fit`` on the same data (compiled, steady state), and
+   against the ``k + 1`` steps of ``fit`` that reach the NaN;
+2. ``companion.training.train`` with the doctor armed (the default: it diagnoses the
+   first skipped step) against the same loop with the doctor's hook removed, on data
+   without a NaN, where no step is skipped; target <= 1.01;
+3. ``model.fit`` with the :class:`~companion.diagnostics.NaNDoctor` callback against
+   ``fit`` with ``keras.callbacks.TerminateOnNaN``, on data without a NaN (the callback
+   copies the weights before every batch; informative, no target).
+
+As in ``benchmarks/training_overhead.py``, runs alternate in rounds and each ratio is the
+median of the ratios of runs in the same round; the ratio of the fastest runs and of
+process CPU time are printed next to it. Run with::
+
+    python benchmarks/doctor.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import time
+
+from _results import write_results
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from companion.diagnostics import NaNDoctor, diagnose  # noqa: E402
+from companion.training import loop, train  # noqa: E402
+
+FEATURES, BATCH, BATCHES, BAD_BATCH = 512, 64, 32, 20
+
+
+class Root(keras.layers.Layer):
+    """sqrt(w * x), one weight per feature."""
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(shape[-1],), initializer="ones", name="w")
+
+    def call(self, x):
+        return tf.sqrt(self.w * x)
+
+
+def make_model(seed: int = 0) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            Root(name="root"),
+            keras.layers.Dense(1024, activation="relu"),
+            keras.layers.Dense(512, activation="relu"),
+            keras.layers.Dense(1),
+        ],
+        name="net",
+    )
+
+
+def make_data(poisoned: bool) -> tf.data.Dataset:
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0.5, 1.5, size=(BATCH * BATCHES, FEATURES)).astype("float32")
+    y = rng.normal(size=(BATCH * BATCHES, 1)).astype("float32")
+    if poisoned:
+        x[BAD_BATCH * BATCH + 3, 0] = 0.0  # one feature of one row
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).cache()
+
+
+def timed(fn) -> tuple[float, float]:
+    """Wall-clock seconds and process CPU seconds of ``fn()``."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def rounds(runs: dict, repeats: int) -> tuple[dict, dict]:
+    """Wall and CPU seconds of each run, in rounds that cycle through all orders."""
+    wall = {key: [] for key in runs}
+    cpu = {key: [] for key in runs}
+    orders = list(itertools.permutations(runs))
+    for repeat in range(repeats):
+        for key in orders[repeat % len(orders)]:
+            time.sleep(0.02)
+            seconds, cpu_seconds = timed(runs[key])
+            wall[key].append(seconds)
+            cpu[key].append(cpu_seconds)
+    return wall, cpu
+
+
+def ratio(wall, cpu, top: str, bottom: str) -> dict:
+    ratios = [a / b for a, b in zip(wall[top], wall[bottom])]
+    q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+    return {
+        "wall": statistics.median(ratios),
+        "quartiles": (q1, q3),
+        "fastest": min(wall[top]) / min(wall[bottom]),
+        "cpu": statistics.median(a / b for a, b in zip(cpu[top], cpu[bottom])),
+    }
+
+
+def time_to_diagnosis(repeats: int) -> dict:
+    poisoned = make_data(poisoned=True)
+    clean = make_data(poisoned=False)
+    fit_model = make_model()
+    fit_model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse", jit_compile=True)
+    fit_model.fit(clean, epochs=1, verbose=0)  # compile
+    found = []
+
+    def doctor():
+        model = make_model()  # a fresh model: nothing traced yet, as for a user
+        model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse", jit_compile=True)
+        found.append(diagnose(model, poisoned))
+
+    runs = {"diagnose": doctor, "fit epoch": lambda: fit_model.fit(clean, epochs=1, verbose=0)}
+    wall, cpu = rounds(runs, repeats)
+    d = found[-1]
+    assert d is not None and (d.batch, d.op, d.layer) == (BAD_BATCH, "SqrtGrad", "net/root"), d
+    print(f"\n1. time to the diagnosis, {repeats} rounds (the doctor's answer: {d.cause} in {d.op}, "
+          f"layer {d.layer}, batch {d.batch})")
+    for key in runs:
+        print(f"  {key:<12} median {statistics.median(wall[key]):7.3f}s  fastest {min(wall[key]):7.3f}s")
+    result = ratio(wall, cpu, "diagnose", "fit epoch")
+    per_step = statistics.median(wall["fit epoch"]) / BATCHES
+    result["vs_steps_to_nan"] = statistics.median(wall["diagnose"]) / (per_step * (BAD_BATCH + 1))
+    return result
+
+
+def armed_vs_not(repeats: int) -> dict:
+    clean = make_data(poisoned=False)
+    armed_model, armed_opt = make_model(), keras.optimizers.Adam(1e-4)
+    open_model, open_opt = make_model(), keras.optimizers.Adam(1e-4)
+    hook = loop.diagnose_skipped_step
+
+    def disarmed():
+        loop.diagnose_skipped_step = lambda run, step: None
+        try:
+            train(open_model, clean, loss="mse", optimizer=open_opt, epochs=1, verbose=0)
+        finally:
+            loop.diagnose_skipped_step = hook
+
+    runs = {
+        "armed": lambda: train(armed_model, clean, loss="mse", optimizer=armed_opt, epochs=1, verbose=0),
+        "disarmed": disarmed,
+    }
+    for run in runs.values():
+        run()
+        run()
+    wall, cpu = rounds(runs, repeats)
+    print(f"\n2. train on clean data, doctor armed / disarmed, {repeats} rounds")
+    for key in runs:
+        print(f"  {key:<12} median {statistics.median(wall[key]):7.3f}s  fastest {min(wall[key]):7.3f}s")
+    return ratio(wall, cpu, "armed", "disarmed")
+
+
+def callback_cost(repeats: int) -> dict:
+    clean = make_data(poisoned=False)
+    models = {}
+    for key in ("NaNDoctor", "TerminateOnNaN"):
+        models[key] = make_model()
+        models[key].compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse", jit_compile=True)
+    runs = {
+        "NaNDoctor": lambda: models["NaNDoctor"].fit(clean, epochs=1, verbose=0, callbacks=[NaNDoctor()]),
+        "TerminateOnNaN": lambda: models["TerminateOnNaN"].fit(
+            clean, epochs=1, verbose=0, callbacks=[keras.callbacks.TerminateOnNaN()]
+        ),
+    }
+    for run in runs.values():
+        run()
+    wall, cpu = rounds(runs, repeats)
+    print(f"\n3. fit on clean data, NaNDoctor / TerminateOnNaN, {repeats} rounds")
+    for key in runs:
+        print(f"  {key:<14} median {statistics.median(wall[key]):7.3f}s  fastest {min(wall[key]):7.3f}s")
+    return ratio(wall, cpu, "NaNDoctor", "TerminateOnNaN")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke test, noisier)")
+    parser.add_argument("--json", metavar="PATH", help="also write the ratios as JSON to PATH")
+    args = parser.parse_args()
+    repeats_diagnosis, repeats_train, repeats_fit = (3, 8, 6) if args.quick else (9, 40, 24)
+    params = make_model().count_params()
+    print(f"TensorFlow {tf.__version__}, Keras {keras.__version__}, {os.cpu_count()} CPU cores; "
+          f"model of {params:,} parameters, {BATCHES} batches of {BATCH}, NaN in batch {BAD_BATCH}")
+    diagnosis = time_to_diagnosis(repeats_diagnosis)
+    armed = armed_vs_not(repeats_train)
+    fit_cost = callback_cost(repeats_fit)
+    print("\nRatios, lower is better ('wall' is the verdict; 'fastest' and 'CPU' as in training_overhead.py).")
+    rows = [
+        ("time to diagnosis / one epoch of fit", diagnosis, None),
+        ("train, doctor armed / disarmed (clean steps)", armed, 1.01),
+        ("fit, NaNDoctor / TerminateOnNaN (clean steps)", fit_cost, None),
+    ]
+    for label, result, target in rows:
+        q1, q3 = result["quartiles"]
+        verdict = "" if target is None else f" (target <= {target:.2f}x: {'ok' if result['wall'] <= target else 'MISSED'})"
+        print(f"  {label:<48} wall {result['wall']:6.3f}x{verdict}  quartiles {q1:.2f}..{q3:.2f}"
+              f"  fastest {result['fastest']:6.3f}x  CPU {result['cpu']:6.3f}x")
+    print(f"  time to diagnosis / the {BAD_BATCH + 1} fit steps that reach the NaN: "
+          f"{diagnosis['vs_steps_to_nan']:.2f}x")
+    if args.json:
+        write_results(
+            args.json,
+            "doctor",
+            [
+                {
+                    "label": label, "ratio": result["wall"], "target": target if target is not None else float("inf"),
+                    "q1": result["quartiles"][0], "q3": result["quartiles"][1],
+                    "fastest": result["fastest"], "cpu": result["cpu"],
+                }
+                for label, result, target in rows
+            ],
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Why training turned NaN: which gradients, which op, which layer, which line, why.
+
+* :func:`diagnose` (the NaN doctor) takes a model and data as ``fit`` does, finds the
+  first batch whose loss or gradients are not finite, and returns a
+  :class:`Diagnosis`: the phase, the op (and, for a gradient op, the forward op it
+  differentiates), the layer, the line of user code, the variables, what the op's
+  inputs were, the cause (one of :data:`CAUSES`), its fix and the book section.
+* :class:`NaNDoctor` is the same for ``model.fit`` users, as a callback, and
+  :func:`diagnose_function` for a custom training step (eager, ``tf.function``, XLA).
+* :func:`nonfinite_gradients` says *which variables* receive NaN or Inf gradients on
+  one batch.
+* :func:`locate_nonfinite` says *where* the first non-finite value of any function is
+  produced, op by op.
+
+The package, one idea per module: ``gradients`` (per-variable records), ``sources``
+(which stack frames are the user's, which layer is running), ``trace``
+(the op-by-op re-run and the map from gradient ops to forward ops), ``locate``,
+``causes`` (the documented causes and how one is recognised), ``data`` (data as
+``fit`` takes it), ``doctor`` (:func:`diagnose`), ``function``
+(:func:`diagnose_function`), ``report`` (text and HTML), ``callback``
+(:class:`NaNDoctor`) and ``hooks`` (the diagnosis of the first step
+:func:`companion.training.train` skips).
+"""
+
+from __future__ import annotations
+
+from companion.diagnostics.callback import NaNDoctor
+from companion.diagnostics.causes import CAUSES, Cause
+from companion.diagnostics.doctor import Diagnosis, diagnose
+from companion.diagnostics.function import diagnose_function
+from companion.diagnostics.gradients import GradientRecord, GradientReport, nonfinite_gradients
+from companion.diagnostics.locate import NonFiniteLocation, locate_nonfinite
+
+__all__ = [
+    "CAUSES",
+    "Cause",
+    "Diagnosis",
+    "diagnose",
+    "diagnose_function",
+    "GradientRecord",
+    "GradientReport",
+    "NaNDoctor",
+    "NonFiniteLocation",
+    "locate_nonfinite",
+    "nonfinite_gradients",
+]

@@ -1,0 +1,330 @@
+"""The documented causes of a NaN, their fixes and book sections, and how each is recognised.
+
+:data:`CAUSES` maps each cause name that :attr:`Diagnosis.cause
+<companion.diagnostics.Diagnosis.cause>` can take to a :class:`Cause`: a description,
+the fix (the ``companion`` function or TensorFlow idiom) and the book section that
+shows it (``chapter path#anchor``, relative to the book's root). Tools and tests may
+rely on the names; new causes are added, none is renamed.
+
+:func:`classify` names the cause from the culprit op of the op-by-op re-run and the
+values of its inputs (for a gradient op, the forward op and *its* inputs), and
+:func:`inputs_summary` says in one sentence what those inputs were.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+__all__ = ["CAUSES", "Cause"]
+
+
+class Cause(NamedTuple):
+    """One documented cause: what it is, what to do, where the book shows it.
+
+    Attributes:
+        description: what happened, in a sentence.
+        fix: what to do: the ``companion`` function or the TensorFlow idiom.
+        section: the book chapter and anchor that shows it, e.g.
+            ``"book/foundations/finite_loss_nan_gradients#the-tf-where-trap"``.
+    """
+
+    description: str
+    fix: str
+    section: str
+
+
+_FOUNDATIONS = "book/foundations/finite_loss_nan_gradients"
+_CHECKLIST = "book/closing/checklist"
+
+CAUSES: dict[str, Cause] = {
+    "nonfinite_input": Cause(
+        "the batch's inputs, targets or sample weights already hold NaN or Inf",
+        "clean the data: check it with np.isfinite or tf.debugging.assert_all_finite "
+        "in the pipeline, drop or impute missing values, use tf.math.divide_no_nan "
+        "in preprocessing",
+        f"{_CHECKLIST}#a-nan-loss-from-the-first-step-the-data",
+    ),
+    "nonfinite_weights": Cause(
+        "a weight is already NaN or Inf before this batch: an earlier step wrote it "
+        "(fit applies a non-finite update)",
+        "find the step that wrote it: companion.training.train (or SkipNonFinite for "
+        "fit) skips non-finite steps and keeps the weights finite; reload a checkpoint",
+        "book/tools/training_loop#a-run-with-skipped-steps",
+    ),
+    "log_of_zero": Cause(
+        "log of 0: -Inf forward, and 1/0 in its gradient (often cross-entropy on "
+        "probabilities that reach 0 or 1)",
+        "tf.math.xlogy(x, y) for x*log(y); losses from logits (from_logits=True, "
+        "tf.nn.softmax_cross_entropy_with_logits); tf.math.log_sigmoid; else "
+        "log(max(x, tiny)) inside a double where",
+        f"{_CHECKLIST}#common-sources-each-in-a-few-lines",
+    ),
+    "singular_derivative": Cause(
+        "a finite function with an infinite derivative there: sqrt or a norm at 0, "
+        "x**p with p < 1 at 0, acos/asin at +-1, atan2 or angle at 0, the std of a "
+        "constant",
+        "companion.numerics.safe_pow / signed_pow for powers; "
+        "companion.numerics.double_where around sqrt and norms at 0; "
+        "sqrt(var + eps) for a std; clip acos/asin into (-1, 1)",
+        f"{_FOUNDATIONS}#inf-the-power-at-zero",
+    ),
+    "pow_negative_base": Cause(
+        "a power x**p of a negative base: NaN for a non-integer p, and log(x) = NaN in "
+        "the gradient with respect to p",
+        "companion.numerics.signed_pow (sign(x) * abs(x)**p) or safe_pow; keep the base "
+        "positive (softplus, exp) if it must be",
+        "book/case_a/log_exp_power#what-tf-pow-s-gradient-does-at-0-and-below",
+    ),
+    "division_by_zero": Cause(
+        "a division by 0 (x/0 = Inf, 0/0 = NaN), in the op or in its gradient",
+        "tf.math.divide_no_nan, or x / (y + eps) with eps from the dtype's finfo, or "
+        "companion.numerics.double_where around the division",
+        f"{_CHECKLIST}#common-sources-each-in-a-few-lines",
+    ),
+    "overflow": Cause(
+        "a finite computation beyond the dtype's largest value: exp, softplus, a "
+        "square, a sum (float32 above 3.4e38, float16 above 65504)",
+        "tf.nn.softplus, tf.math.log_sigmoid, tf.reduce_logsumexp instead of the "
+        "naive formulas; keep that layer in float32 under mixed precision; loss "
+        "scaling; scaled dot-product attention",
+        "book/case_b/reproduce#the-overflow-threshold-and-how-a-right-value-gets-a-nan-gradient",
+    ),
+    "where_trap": Cause(
+        "a NaN or Inf in the branch a tf.where did not select: the forward value is "
+        "fine, but the gradient of the unselected branch is 0 * Inf = NaN",
+        "companion.numerics.double_where: make the unselected branch's input safe too",
+        f"{_FOUNDATIONS}#the-tf-where-trap",
+    ),
+    "domain_edge": Cause(
+        "a function outside or at the edge of its domain, or at a pole: log or sqrt "
+        "of a negative number, acos of 1.5, lgamma at 0",
+        "clip or map the input into the open domain (tf.clip_by_value, softplus for "
+        "positive, tanh for (-1, 1))",
+        f"{_CHECKLIST}#common-sources-each-in-a-few-lines",
+    ),
+    "inf_arithmetic": Cause(
+        "0 * Inf or Inf - Inf, with no more specific cause found",
+        "find where the Inf comes from (the op's inputs below) and keep it out, e.g. "
+        "with companion.numerics.double_where; a -inf mask: use a large finite "
+        "negative number",
+        f"{_FOUNDATIONS}#the-backward-pass-multiplies-and-ieee-arithmetic-turns-invalid-operations-into-nan",
+    ),
+    "divergence": Cause(
+        "values that grew step after step until they overflowed (the loss grew "
+        "before it turned non-finite)",
+        "a smaller learning rate; clipnorm or global_clipnorm in the optimizer; "
+        "normalisation layers",
+        f"{_CHECKLIST}#nan-after-n-good-steps",
+    ),
+    "compiled_only": Cause(
+        "the compiled step is non-finite on this batch, but the same computation run "
+        "op by op is finite (XLA fuses, reorders and rewrites ops)",
+        "train without XLA (jit_compile=False) to confirm; then find the op by "
+        "bisection, and report it to TensorFlow if the op-by-op result is right",
+        "book/case_a/clipping_and_guards#check-numerics-forward-backward-and-xla",
+    ),
+    "unclassified": Cause(
+        "a non-finite value whose cause the doctor does not recognise",
+        "read the op, its inputs and the line below; locate_nonfinite on a smaller "
+        "example",
+        f"{_CHECKLIST}#common-sources-each-in-a-few-lines",
+    ),
+}
+
+LOG_OPS = frozenset({"Log", "Log1p", "Xlogy", "Xlog1py", "LogSoftmax"})
+DIVISION_OPS = frozenset({"RealDiv", "Div", "FloorDiv", "TruncateDiv", "Xdivy", "FloorMod", "Reciprocal", "Inv"})
+OVERFLOW_OPS = frozenset(
+    {
+        "Exp", "Expm1", "Softplus", "Square", "Cosh", "Sinh", "Pow", "Mul", "AddV2", "Add", "Sub", "Sum", "Mean",
+        "MatMul", "BatchMatMulV2", "BatchMatMulV3", "Conv2D", "Conv1D", "Einsum", "Cast", "AddN", "Prod",
+        "SquaredDifference", "Cumsum", "Tan", "Lgamma", "Sqrt", "Softmax",
+    }
+)
+SINGULAR_OPS = frozenset({"Sqrt", "Pow", "Acos", "Asin", "Atan2", "Angle", "ComplexAbs", "EuclideanNorm", "Cbrt"})
+SELECT_OPS = frozenset({"Select", "SelectV2"})
+
+
+def _finite(array: np.ndarray) -> np.ndarray:
+    if np.iscomplexobj(array):
+        return np.isfinite(array.real) & np.isfinite(array.imag)
+    return np.isfinite(np.asarray(array, np.float64))
+
+
+def _as_float(array):
+    if array is None:
+        return None
+    if np.iscomplexobj(array):
+        return array
+    return np.asarray(array, np.float64)
+
+
+def _count(mask: np.ndarray) -> int:
+    return int(np.count_nonzero(mask))
+
+
+def _noun(op: str, index: int, count: int) -> str:
+    """``"inputs"``, ``"denominators"``, ``"bases"``... for input ``index`` of ``op``."""
+    if op in ("RealDiv", "Div", "FloorDiv", "TruncateDiv", "DivNoNan") and index == 1:
+        return "denominators"
+    if op == "Pow":
+        return "bases" if index == 0 else "exponents"
+    if op in ("Xlogy", "Xlog1py") and index == 1:
+        return "log arguments"
+    return "inputs"
+
+
+def _fact(op: str, index: int, array: np.ndarray, mask: np.ndarray, what: str) -> str:
+    return f"{_count(mask)} of {array.size} {_noun(op, index, array.size)} of {op} {what}"
+
+
+def classify(event, masked_selects: Sequence = (), *, loss_finite: bool = True) -> tuple[str, str]:
+    """The cause (a key of :data:`CAUSES`) and a one-line summary of the culprit's inputs.
+
+    Args:
+        event: an :class:`~companion.diagnostics.trace.OpEvent`, the culprit.
+        masked_selects: records of forward ``Select``/``SelectV2`` ops that had a
+            non-finite branch and a finite output.
+        loss_finite: whether the loss was finite (a non-finite forward value that
+            did not reach the loss was masked somewhere).
+
+    Returns:
+        ``(cause, summary)``.
+    """
+    if event.backward:
+        forward = event.forward
+        if forward is not None and forward.nonfinite and masked_selects:
+            select = masked_selects[0]
+            return "where_trap", _where_summary(forward, select)
+        if forward is not None:
+            cause, summary = _forward_cause(forward.op_type, forward.inputs, event, in_backward=True)
+            if cause != "unclassified":
+                return cause, summary
+        return _output_cause(event.record.op_type, event.record.inputs, event)
+    cause, summary = _forward_cause(event.record.op_type, event.record.inputs, event, in_backward=False)
+    if cause == "unclassified":
+        return _output_cause(event.record.op_type, event.record.inputs, event)
+    return cause, summary
+
+
+def _where_summary(forward, select) -> str:
+    ins = [_as_float(a) for a in forward.inputs]
+    text = f"the tf.where drops non-finite values of {forward.op_type}"
+    dropped = text.replace("the ", "a ", 1)
+    for index, array in enumerate(ins):
+        if array is not None and array.size and not np.iscomplexobj(array):
+            zeros = array == 0
+            if zeros.any() and forward.op_type in LOG_OPS | DIVISION_OPS | {"Sqrt", "Rsqrt", "Pow"}:
+                return f"{_fact(forward.op_type, index, array, zeros, 'are exactly 0')}; {dropped}"
+            negative = array < 0
+            if negative.any() and forward.op_type in ("Log", "Sqrt", "Pow"):
+                return f"{_fact(forward.op_type, index, array, negative, 'are negative')}; {dropped}"
+    return text
+
+
+def _forward_cause(op: str, inputs: Sequence, event, *, in_backward: bool) -> tuple[str, str]:
+    """The cause seen from an op's own type and input values."""
+    ins = [_as_float(a) for a in inputs]
+    real = [a if a is not None and not np.iscomplexobj(a) else None for a in ins]
+    first = real[0] if real else None
+    if op == "Log" and first is not None:
+        if (first == 0).any():
+            return "log_of_zero", _fact(op, 0, first, first == 0, "are exactly 0")
+        if (first < 0).any():
+            return "domain_edge", _fact(op, 0, first, first < 0, "are negative")
+    if op == "Log1p" and first is not None:
+        if (first == -1).any():
+            return "log_of_zero", _fact(op, 0, first, first == -1, "are exactly -1")
+        if (first < -1).any():
+            return "domain_edge", _fact(op, 0, first, first < -1, "are below -1")
+    if op in ("Xlogy", "Xlog1py") and len(real) > 1 and real[1] is not None:
+        edge = 0 if op == "Xlogy" else -1
+        if (real[1] == edge).any():
+            return "log_of_zero", _fact(op, 1, real[1], real[1] == edge, f"are exactly {edge}")
+    if op == "Sqrt" and first is not None:
+        if (first < 0).any():
+            return "domain_edge", _fact(op, 0, first, first < 0, "are negative")
+        if in_backward and (first == 0).any():
+            return "singular_derivative", _fact(op, 0, first, first == 0, "are exactly 0")
+    if op == "Rsqrt" and first is not None:
+        if (first < 0).any():
+            return "domain_edge", _fact(op, 0, first, first < 0, "are negative")
+        if (first == 0).any():
+            return "division_by_zero", _fact(op, 0, first, first == 0, "are exactly 0")
+    if op == "Pow" and len(real) > 1 and first is not None and real[1] is not None:
+        base, exponent = np.broadcast_arrays(first, real[1])
+        negative = (base < 0) & ((exponent != np.round(exponent)) | in_backward)
+        if negative.any():
+            return "pow_negative_base", _fact(op, 0, first, first < 0, "are negative")
+        zero = base == 0
+        if (zero & (exponent < 0)).any():
+            return "division_by_zero", _fact(op, 0, first, first == 0, "are exactly 0 (exponent < 0)")
+        if in_backward and (zero & (exponent < 1)).any():
+            p = float(np.min(exponent[zero & (exponent < 1)]))
+            return "singular_derivative", _fact(op, 0, first, first == 0, f"are exactly 0 (exponent {p:.3g} < 1)")
+    if op in ("Acos", "Asin") and first is not None:
+        if (np.abs(first) > 1).any():
+            return "domain_edge", _fact(op, 0, first, np.abs(first) > 1, "are outside [-1, 1]")
+        if in_backward and (np.abs(first) == 1).any():
+            return "singular_derivative", _fact(op, 0, first, np.abs(first) == 1, "are exactly +-1")
+    if op == "Atanh" and first is not None and (np.abs(first) >= 1).any():
+        return "domain_edge", _fact(op, 0, first, np.abs(first) >= 1, "are outside (-1, 1)")
+    if op in ("Lgamma", "Digamma") and first is not None:
+        pole = (first <= 0) & (first == np.round(first))
+        if pole.any():
+            return "domain_edge", _fact(op, 0, first, pole, "are poles (0, -1, -2, ...)")
+    if op == "Atan2" and len(real) > 1 and real[0] is not None and real[1] is not None and in_backward:
+        y, x = np.broadcast_arrays(real[0], real[1])
+        origin = (y == 0) & (x == 0)
+        if origin.any():
+            return "singular_derivative", f"{_count(origin)} of {origin.size} points of Atan2 are (0, 0)"
+    if op in ("Angle", "ComplexAbs") and ins and ins[0] is not None and in_backward:
+        zero = ins[0] == 0
+        if zero.any():
+            return "singular_derivative", _fact(op, 0, ins[0], zero, "are exactly 0")
+    if op == "EuclideanNorm" and first is not None and in_backward and not np.any(first):
+        return "singular_derivative", f"every input of {op} is 0"
+    if op in DIVISION_OPS and real:
+        index = 0 if op in ("Reciprocal", "Inv") else 1
+        if len(real) > index and real[index] is not None and (real[index] == 0).any():
+            return "division_by_zero", _fact(op, index, real[index], real[index] == 0, "are exactly 0")
+    return "unclassified", ""
+
+
+def _output_cause(op: str, inputs: Sequence, event) -> tuple[str, str]:
+    """The cause seen from what the op made of its inputs: overflow, 0*Inf, Inf-Inf."""
+    ins = [_as_float(a) for a in inputs]
+    bad_inputs = [(i, a) for i, a in enumerate(ins) if a is not None and a.size and not _finite(a).all()]
+    output = next((o for o in event.outputs if o is not None and o.size and not _finite(o).all()), None)
+    if bad_inputs:
+        index, array = bad_inputs[0]
+        share = f"{_count(~_finite(array))} of {array.size} entries of input {index} of {op} are not finite"
+        multiplies = op in ("Mul", "MatMul", "BatchMatMulV2", "Einsum")
+        if multiplies and any(a is not None and a.size and (a == 0).any() for a in ins):
+            return "inf_arithmetic", f"{op} multiplies 0 by Inf: {share}"
+        return "inf_arithmetic", share
+    if output is not None and not np.iscomplexobj(output):
+        out = np.asarray(output, np.float64)
+        if np.isinf(out).any() and (op in OVERFLOW_OPS or event.backward):
+            finfo = np.finfo(output.dtype) if output.dtype.kind == "f" else None
+            magnitudes = [float(np.max(np.abs(a))) for a in ins if a is not None and a.size and not np.iscomplexobj(a)]
+            largest = max(magnitudes, default=float("nan"))
+            limit = f"{float(finfo.max):.5g}" if finfo is not None else "the dtype's max"
+            return "overflow", (
+                f"{_count(np.isinf(out))} of {out.size} outputs of {op} exceed {output.dtype}'s max {limit}; "
+                f"largest |input| {largest:.3g}"
+            )
+    if output is not None:
+        count = _count(~_finite(output))
+        return "domain_edge", f"{op} made {count} of {output.size} values non-finite from finite inputs"
+    return "unclassified", ""
+
+
+def grew(losses: Sequence[float]) -> bool:
+    """Whether finite losses grew step after step (by over 10x in all) before the end."""
+    finite = [float(v) for v in losses if np.isfinite(v)]
+    if len(finite) < 3:
+        return False
+    tail = finite[-3:]
+    return tail[0] <= tail[1] <= tail[2] and tail[2] > 10 * max(min(finite), np.finfo(np.float32).tiny)

@@ -1,0 +1,473 @@
+"""The NaN doctor: :func:`diagnose` and the :class:`Diagnosis` it returns.
+
+:func:`diagnose` takes a model and data as ``fit`` does and:
+
+1. runs each batch through the loss and its gradients as ``fit``'s compiled step
+   computes them (XLA if the model was compiled with it), updating nothing, until one
+   has a non-finite loss or gradient;
+2. checks that batch's inputs, targets and sample weights, then the model's weights;
+3. re-runs the batch op by op (:class:`~companion.diagnostics.trace.OpTracer`): the
+   first forward op whose output is not finite if the loss is not, else the first op
+   of the backward pass, mapped to the forward op it differentiates;
+4. names the cause (one of :data:`~companion.diagnostics.CAUSES`) from that op and its
+   inputs, and says whether the compiled step and the op-by-op re-run disagree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+from typing import Any, Callable, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from companion._gradients import all_finite, gradient_values
+from companion.diagnostics import report
+from companion.diagnostics.causes import CAUSES, classify, grew
+from companion.diagnostics.data import Replay, batches, nonfinite_data
+from companion.diagnostics.gradients import _variable_path
+from companion.diagnostics.locate import dtype_name
+from companion.diagnostics.sources import source_text
+from companion.diagnostics.trace import OpTracer, eager_trace, nonfinite_mask
+from companion.losses import mean_loss, resolve_loss
+
+__all__ = ["Diagnosis", "diagnose"]
+
+PHASES = ("input", "weights", "forward", "loss", "backward")
+
+
+@dataclasses.dataclass(frozen=True)
+class Diagnosis:
+    """What made a batch's loss or gradients non-finite, and what to do about it.
+
+    Attributes:
+        batch: index (0-based) of the batch, counted from the start of ``data``.
+        phase: where the first non-finite value appeared: ``"input"`` (the batch),
+            ``"weights"`` (the model), ``"forward"`` (the model's call), ``"loss"``
+            (the loss and regularisation) or ``"backward"`` (the gradient).
+        op: type of the op whose output was first non-finite (``"Log"``,
+            ``"SqrtGrad"``); ``None`` for the input and weights phases.
+        forward_op: for a gradient op, the forward op it differentiates; else ``None``.
+        layer: path of the Keras layer (for a gradient op, the forward op's layer).
+        source: ``"file:line"`` of the user's code that created the op (for a
+            gradient op, the line that created the forward op).
+        variables: paths of the variables with non-finite gradients.
+        dtype: dtype of the first non-finite tensor.
+        inputs_summary: what the culprit's inputs were, e.g. ``"3 of 64 inputs of
+            Sqrt are exactly 0"``.
+        cause: one of the names of :data:`~companion.diagnostics.CAUSES`.
+        fix: what to do (the cause's fix).
+        section: the book chapter and anchor that shows the cause.
+        mode_disagreement: ``None``, or a sentence saying that the compiled step and
+            the op-by-op re-run disagree, and which of them is non-finite.
+        symptom: ``"non-finite loss"`` or ``"finite loss, non-finite gradients"``
+            (in the mode that found the batch).
+        code: the text of the ``source`` line.
+        worker: in a multi-worker :func:`companion.training.train` run, the index of
+            the worker whose shard made the NaN; else ``None``.
+    """
+
+    batch: int | None
+    phase: str
+    op: str | None
+    forward_op: str | None
+    layer: str | None
+    source: str | None
+    variables: tuple[str, ...]
+    dtype: str | None
+    inputs_summary: str
+    cause: str
+    fix: str
+    section: str
+    mode_disagreement: str | None = None
+    symptom: str = ""
+    code: str | None = None
+    worker: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-compatible dict (the training checkpoint stores it)."""
+        return {**dataclasses.asdict(self), "variables": list(self.variables)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Diagnosis":
+        """Inverse of :meth:`to_dict`."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{**{k: v for k, v in data.items() if k in names}, "variables": tuple(data["variables"])})
+
+    @property
+    def description(self) -> str:
+        """The cause's description (from :data:`~companion.diagnostics.CAUSES`)."""
+        return CAUSES[self.cause].description
+
+    def __str__(self) -> str:
+        return report.text(self)
+
+    def _repr_html_(self) -> str:
+        return report.html(self)
+
+
+# --------------------------------------------------------------------------------------
+# The loss as fit computes it
+# --------------------------------------------------------------------------------------
+
+
+def _loss_function(model, loss) -> Callable:
+    """``f(x, y, y_pred, sample_weight) -> scalar``: the given loss, or the compiled one."""
+    if loss is not None:
+        fn = resolve_loss(loss)
+
+        def given(x, y, y_pred, sample_weight):
+            if sample_weight is not None and isinstance(fn, keras.losses.Loss):
+                value = fn(y, y_pred, sample_weight=sample_weight)
+            else:
+                value = mean_loss(fn, y, y_pred)
+            if model.losses:
+                value = value + tf.cast(tf.add_n(model.losses), value.dtype)
+            return value
+
+        return given
+    if getattr(model, "compiled", False) and getattr(model, "loss", None) is not None:
+        accepts_training = "training" in inspect.signature(model.compute_loss).parameters
+
+        def compiled(x, y, y_pred, sample_weight):
+            kwargs = {"training": True} if accepts_training else {}
+            return model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, **kwargs)
+
+        return compiled
+    raise ValueError(
+        "the model is not compiled with a loss: pass loss= (a Keras loss name, a Loss or a callable)"
+    )
+
+
+# --------------------------------------------------------------------------------------
+# diagnose
+# --------------------------------------------------------------------------------------
+
+
+def diagnose(
+    model: keras.Model,
+    data: Any,
+    loss: Callable | str | None = None,
+    *,
+    y: Any = None,
+    sample_weight: Any = None,
+    batch_size: int | None = None,
+    max_batches: int | None = None,
+    skip_batches: int = 0,
+    jit_compile: bool | None = None,
+    losses_before: Sequence[float] = (),
+    eager_fallback: bool = True,
+) -> Diagnosis | None:
+    """Find the first batch whose loss or gradients are not finite, and say why.
+
+    Each batch goes through the loss and its gradients as ``fit``'s compiled step
+    computes them (``model.compute_loss``: sample weights, a loss per output,
+    regularisation; XLA if the model was compiled with ``jit_compile``), with no update
+    and no change to the model's state. At the first non-finite batch the doctor checks
+    the batch's inputs, targets and sample weights, then the model's weights, then
+    re-runs the batch op by op: the first forward op whose output is not finite (if
+    the loss is not), else the first op of the backward pass, reported with the
+    forward op it differentiates, its layer and its line. The cause is named from that
+    op and the values of its inputs.
+
+    Args:
+        model: a Keras model, compiled or not.
+        data: what ``fit`` takes: a ``tf.data.Dataset`` of ``(x, y[, sample_weight])``
+            batches, a :class:`keras.utils.PyDataset`, arrays (``x`` with ``y=``, or an
+            ``(x, y[, sample_weight])`` tuple, batched by ``batch_size`` in order), a
+            single batch, or any iterable of batches.
+        loss: the loss; ``None`` uses the model's compiled loss (an uncompiled model
+            needs one).
+        y: targets, when ``data`` is the inputs.
+        sample_weight: sample weights, when ``data`` is the inputs.
+        batch_size: for arrays, the batch size (``fit``'s default, 32, if ``None``).
+        max_batches: look at most at this many batches.
+        skip_batches: start after this many batches (their index still counts).
+        jit_compile: compile the scanning step with XLA; ``None`` follows the model
+            (``model.jit_compile``; ``False`` for an uncompiled model). If nothing
+            non-finite is found with XLA, the batches are scanned again without it.
+        losses_before: losses of the steps before (e.g. from ``History``): if they grew
+            step after step, an overflow is reported as ``"divergence"``.
+        eager_fallback: if no batch is non-finite in the compiled step, scan once more
+            with the step run eagerly (op by op, as a custom eager loop runs it): some
+            NaNs appear only there, and the diagnosis then says so.
+
+    Returns:
+        A :class:`Diagnosis`, or ``None`` if every batch's loss and gradients are
+        finite.
+
+    Raises:
+        TypeError: if ``model`` is not a Keras model or ``data`` is not data.
+        ValueError: if the model is not compiled and ``loss`` is ``None``.
+
+    Example:
+        >>> class Root(keras.layers.Layer):
+        ...     def build(self, shape):
+        ...         self.w = self.add_weight(shape=(), initializer="ones", name="w")
+        ...     def call(self, x):
+        ...         return tf.sqrt(self.w * x)
+        >>> model = keras.Sequential([keras.Input((1,)), Root(name="root")], name="net")
+        >>> x = np.array([[4.0], [0.0]], "float32")
+        >>> d = diagnose(model, (x, np.ones((2, 1), "float32")), "mse")
+        >>> d.phase, d.op, d.forward_op, d.layer, d.cause
+        ('backward', 'SqrtGrad', 'Sqrt', 'net/root', 'singular_derivative')
+        >>> d.inputs_summary, d.variables
+        ('1 of 2 inputs of Sqrt are exactly 0', ('net/root/w',))
+    """
+    if not isinstance(model, keras.layers.Layer):
+        raise TypeError(f"model must be a Keras model, got {type(model).__name__}")
+    loss_fn = _loss_function(model, loss)
+    if jit_compile is None:
+        jit_compile = bool(getattr(model, "jit_compile", False)) if getattr(model, "compiled", False) else False
+    if hasattr(data, "__next__"):  # an iterator or generator: keep what it yields for the re-scans
+        data = Replay(data)
+    scan = (model, data, loss_fn, y, sample_weight, batch_size, max_batches, skip_batches)
+    found = _scan(*scan, jit_compile)
+    fallback = None
+    if found is None and jit_compile:
+        fallback = "XLA"
+        found = _scan(*scan, False)
+    if found is None and eager_fallback:
+        fallback = "graph"
+        found = _scan(*scan, None)
+    if found is None:
+        return None
+    index, (x, y_true, weights), compiled = found
+    return _diagnose_batch(
+        model, loss_fn, index, x, y_true, weights, compiled, jit_compile, fallback, tuple(losses_before)
+    )
+
+
+def _state(model):
+    state = list(model.non_trainable_variables)
+    return state, [tf.identity(v.value) for v in state]
+
+
+def _restore(state) -> None:
+    for variable, value in zip(*state):
+        variable.assign(value)
+
+
+def _ensure_built(model, x) -> None:
+    if not model.built:
+        model(x)
+
+
+def _scan(model, data, loss_fn, y, sample_weight, batch_size, max_batches, skip, jit):
+    """The first non-finite batch: ``(index, batch, {"loss": bool, "variables": [...]})``."""
+    step = None
+    for index, batch in enumerate(batches(data, y, sample_weight, batch_size)):
+        if max_batches is not None and index >= skip + max_batches:
+            break
+        if index < skip:
+            continue
+        x, y_true, weights = batch
+        _ensure_built(model, x)
+        if step is None:
+            step = _compiled_step(model, loss_fn, jit)
+        if nonfinite_data(batch):
+            return index, batch, {"loss": False, "variables": [], "data": True}
+        state = _state(model)
+        try:
+            loss_ok, grads_ok = step(x, y_true, weights)
+        finally:
+            _restore(state)
+        grads_ok = np.asarray(grads_ok)
+        if bool(loss_ok) and grads_ok.all():
+            continue
+        names = [_variable_path(v) for v, ok in zip(model.trainable_variables, grads_ok) if not ok]
+        return index, batch, {"loss": not bool(loss_ok), "variables": names}
+    return None
+
+
+def _compiled_step(model, loss_fn, jit):
+    """The scanning step: XLA (``jit=True``), a plain graph (``False``) or eager (``None``)."""
+    variables = list(model.trainable_variables)
+
+    def step(x, y_true, weights):
+        with tf.GradientTape() as tape:
+            y_pred = model(x, training=True)
+            value = loss_fn(x, y_true, y_pred, weights)
+        grads = tape.gradient(value, variables)
+        flags = [tf.constant(True) if g is None else all_finite([g]) for g in grads]
+        finite = tf.reduce_all(tf.math.is_finite(tf.cast(value, tf.float32)))
+        return finite, tf.stack(flags) if flags else tf.ones([0], tf.bool)
+
+    if jit is None:
+        return step
+    return tf.function(step, jit_compile=jit, reduce_retracing=True)
+
+
+def _input_diagnosis(index, bad, compiled) -> Diagnosis:
+    label, array = bad[0]
+    mask = nonfinite_mask(array)
+    nan = int(np.count_nonzero(np.isnan(array.astype(np.complex128 if np.iscomplexobj(array) else np.float64))))
+    rows = np.unique(np.nonzero(mask.reshape(mask.shape[0], -1) if mask.ndim else mask.reshape(1, -1))[0])
+    shown = ", ".join(str(r) for r in rows[:5]) + (", ..." if len(rows) > 5 else "")
+    summary = (
+        f"{int(mask.sum())} of {array.size} entries of {label} are not finite ({nan} NaN); "
+        f"row{'s' if len(rows) > 1 else ''} {shown}"
+    )
+    cause = CAUSES["nonfinite_input"]
+    return Diagnosis(
+        batch=index, phase="input", op=None, forward_op=None, layer=None, source=None,
+        variables=tuple(compiled.get("variables", ())), dtype=dtype_name(array), inputs_summary=summary,
+        cause="nonfinite_input", fix=cause.fix, section=cause.section, symptom="non-finite input",
+    )
+
+
+def _weights_diagnosis(model, index, compiled, losses_before) -> Diagnosis | None:
+    bad = []
+    for variable in model.variables:
+        value = np.asarray(variable.numpy())
+        if value.dtype.kind in "fcV" and nonfinite_mask(value).any():
+            bad.append((_variable_path(variable), value))
+    if not bad:
+        return None
+    path, value = bad[0]
+    summary = f"{int(nonfinite_mask(value).sum())} of {value.size} entries of {path} are not finite"
+    if len(bad) > 1:
+        summary += f" (and {len(bad) - 1} more variable{'s' if len(bad) > 2 else ''})"
+    name = "divergence" if grew(losses_before) else "nonfinite_weights"
+    cause = CAUSES[name]
+    return Diagnosis(
+        batch=index, phase="weights", op=None, forward_op=None, layer=None, source=None,
+        variables=tuple(compiled.get("variables", ())), dtype=dtype_name(value), inputs_summary=summary,
+        cause=name, fix=cause.fix, section=cause.section, symptom=_symptom(compiled),
+    )
+
+
+def _symptom(compiled) -> str:
+    if compiled.get("loss"):
+        return "non-finite loss"
+    return "finite loss, non-finite gradients"
+
+
+def rerun(model, loss_fn, x, y_true, weights) -> tuple[OpTracer, bool, list[str]]:
+    """The batch op by op: the tracer, whether the loss is finite, the bad variables."""
+    variables = list(model.trainable_variables)
+    tracer = OpTracer()
+    tf_filtering = tf.debugging.is_traceback_filtering_enabled()
+    keras_filtering = keras.config.is_traceback_filtering_enabled()
+    state = _state(model)
+    try:
+        tf.debugging.disable_traceback_filtering()
+        keras.config.disable_traceback_filtering()
+        with eager_trace(tracer):
+            with tf.GradientTape() as tape:
+                tracer.stage = "forward"
+                y_pred = model(x, training=True)
+                tracer.stage = "loss"
+                value = loss_fn(x, y_true, y_pred, weights)
+            tracer.stage = "backward"
+            grads = tape.gradient(value, variables)
+    finally:
+        _restore(state)
+        if tf_filtering:
+            tf.debugging.enable_traceback_filtering()
+        if keras_filtering:
+            keras.config.enable_traceback_filtering()
+    loss_finite = bool(np.all(np.isfinite(np.asarray(tf.cast(value, tf.float32)))))
+    bad = [
+        _variable_path(v)
+        for v, g in zip(variables, grads)
+        if g is not None and nonfinite_mask(np.asarray(gradient_values(g).numpy())).any()
+    ]
+    return tracer, loss_finite, bad
+
+
+def _mode_names(jit: bool) -> str:
+    return "the XLA-compiled step" if jit else "the compiled step"
+
+
+def _diagnose_batch(model, loss_fn, index, x, y_true, weights, compiled, jit, fallback, losses_before):
+    bad_data = nonfinite_data((x, y_true, weights))
+    if bad_data:
+        return _input_diagnosis(index, bad_data, compiled)
+    weights_found = _weights_diagnosis(model, index, compiled, losses_before)
+    if weights_found is not None:
+        return weights_found
+    tracer, loss_finite, bad_variables = rerun(model, loss_fn, x, y_true, weights)
+    eager_nonfinite = (not loss_finite) or bool(bad_variables)
+    disagreement = None
+    if fallback == "XLA":
+        disagreement = (
+            f"the XLA-compiled step is finite on batch {index}; the step without XLA and the op-by-op "
+            "re-run are not (XLA rewrites this computation: with jit_compile=False the NaN appears)"
+        )
+    elif fallback == "graph":
+        disagreement = (
+            f"the compiled step ({'XLA and ' if jit else ''}graph) is finite on batch {index}; run "
+            "eagerly, op by op (as a custom eager loop runs it), it is not"
+        )
+    if not eager_nonfinite:
+        cause = CAUSES["compiled_only"]
+        return Diagnosis(
+            batch=index, phase="loss" if compiled.get("loss") else "backward", op=None, forward_op=None,
+            layer=None, source=None, variables=tuple(compiled.get("variables", ())), dtype=None,
+            inputs_summary="every op of the op-by-op re-run is finite",
+            cause="compiled_only", fix=cause.fix, section=cause.section,
+            mode_disagreement=(
+                f"{_mode_names(jit)} is non-finite on batch {index} ({_symptom(compiled)}); "
+                "the op-by-op re-run is finite"
+            ),
+            symptom=_symptom(compiled),
+        )
+    if compiled.get("loss") != (not loss_finite) and fallback is None:
+        disagreement = (
+            f"{_mode_names(jit)} has {_symptom(compiled)}; the op-by-op re-run has "
+            f"{'a non-finite loss' if not loss_finite else 'a finite loss, non-finite gradients'}"
+        )
+    if not loss_finite:
+        event = next((e for e in tracer.events if not e.backward), None)
+    else:
+        event = tracer.first(backward=True)
+    if event is None:
+        event = tracer.events[0] if tracer.events else None
+    if event is None:  # non-finite values the tracer cannot see (e.g. inside a custom C++ op)
+        cause = CAUSES["unclassified"]
+        return Diagnosis(
+            batch=index, phase="backward" if loss_finite else "forward", op=None, forward_op=None, layer=None,
+            source=None, variables=tuple(bad_variables), dtype=None, inputs_summary="no traced op output is non-finite",
+            cause="unclassified", fix=cause.fix, section=cause.section, mode_disagreement=disagreement,
+            symptom=_symptom({"loss": not loss_finite}),
+        )
+    return from_event(event, tracer, index, tuple(bad_variables), disagreement, loss_finite, losses_before)
+
+
+def from_event(event, tracer, index, variables, disagreement, loss_finite, losses_before) -> Diagnosis:
+    name, summary = classify(event, tracer.masked_selects, loss_finite=loss_finite)
+    if name in ("overflow", "inf_arithmetic", "unclassified") and grew(list(losses_before)):
+        name = "divergence"
+    record = event.record
+    where = event.forward if event.backward and event.forward is not None else record
+    phase = "backward" if event.backward else record.stage
+    if phase not in PHASES:
+        phase = "forward"
+    value = next(o for o in event.outputs if o is not None and o.size and nonfinite_mask(o).any())
+    cause = CAUSES[name]
+    fix = cause.fix
+    if name == "where_trap" and tracer.masked_selects:
+        select = tracer.masked_selects[0]
+        if select.filename:
+            fix += f" (the tf.where at {os.path.basename(select.filename)}:{select.lineno})"
+    return Diagnosis(
+        batch=index,
+        phase=phase,
+        op=record.op_type,
+        forward_op=event.forward_type,
+        layer=where.layer,
+        source=f"{where.filename}:{where.lineno}" if where.filename else None,
+        variables=tuple(variables),
+        dtype=dtype_name(value),
+        inputs_summary=summary,
+        cause=name,
+        fix=fix,
+        section=cause.section,
+        mode_disagreement=disagreement,
+        symptom=_symptom({"loss": not loss_finite}),
+        code=source_text(where.filename, where.lineno),
+    )

@@ -1,0 +1,81 @@
+"""The NaN doctor for a custom training step: :func:`diagnose_function`."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import tensorflow as tf
+
+from companion._gradients import gradient_values
+from companion.diagnostics.doctor import Diagnosis, from_event
+from companion.diagnostics.trace import OpTracer, eager_trace, nonfinite_mask
+
+__all__ = ["diagnose_function"]
+
+
+def _all_finite_results(result) -> bool:
+    """Whether ``result`` holds float tensors and every one of them is finite."""
+    values = [gradient_values(v) for v in tf.nest.flatten(result) if isinstance(v, (tf.Tensor, tf.IndexedSlices))]
+    values = [v for v in values if v.dtype.is_floating or v.dtype.is_complex]
+    if not values:
+        return False
+    return all(not nonfinite_mask(np.asarray(v.numpy())).any() for v in values)
+
+
+def diagnose_function(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Diagnosis | None:
+    """Run a custom training step op by op and diagnose its first harmful NaN or Inf.
+
+    For custom loops (eager, ``tf.function``, ``jit_compile=True``: every function runs
+    op by op here). Unlike :func:`~companion.diagnostics.locate_nonfinite`, which stops
+    at the first non-finite op, ``fn`` runs to its end, so a NaN that a ``tf.where``
+    drops in the forward pass is told apart from one that reaches the loss: if every
+    non-finite forward value was dropped by a ``tf.where`` (or none appeared), the
+    culprit is the first non-finite op of the backward pass; else the first forward
+    one. If ``fn`` returns tensors (its loss, its gradients) and all of them are finite,
+    the non-finite values on the way were harmless and the result is ``None``. The
+    fields are those of :func:`diagnose`, with ``batch=None`` and the variables unnamed
+    (``fn`` owns them).
+
+    Args:
+        fn: the step, e.g. a function that runs the model and ``tape.gradient``.
+        *args: positional arguments for ``fn``.
+        **kwargs: keyword arguments for ``fn``.
+
+    Returns:
+        A :class:`Diagnosis`, or ``None`` if no op output was non-finite, or if
+        everything ``fn`` returned is finite.
+
+    Raises:
+        TypeError: if ``fn`` is not callable.
+
+    Example:
+        >>> w = tf.Variable(1.0)
+        >>> def step(x):
+        ...     with tf.GradientTape() as tape:
+        ...         loss = tf.reduce_sum(tf.sqrt(w * x))
+        ...     return tape.gradient(loss, w)
+        >>> d = diagnose_function(tf.function(step, jit_compile=True), tf.constant([0.0, 4.0]))
+        >>> d.phase, d.op, d.forward_op, d.cause
+        ('backward', 'SqrtGrad', 'Sqrt', 'singular_derivative')
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__} {fn!r}")
+    tracer = OpTracer()
+    tf_filtering = tf.debugging.is_traceback_filtering_enabled()
+    try:
+        tf.debugging.disable_traceback_filtering()
+        with eager_trace(tracer):
+            result = fn(*args, **kwargs)
+    finally:
+        if tf_filtering:
+            tf.debugging.enable_traceback_filtering()
+    if not tracer.events or _all_finite_results(result):
+        return None
+    forward = [e for e in tracer.events if not e.backward]
+    backward = tracer.first(backward=True)
+    masked = bool(tracer.masked_selects)
+    event = backward if backward is not None and (not forward or masked) else (forward[0] if forward else backward)
+    return from_event(
+        event, tracer, index=None, variables=(), disagreement=None, loss_finite=event.backward, losses_before=()
+    )
