@@ -349,6 +349,38 @@ def _translated_prompt(text: str) -> str:
     return text
 
 
+def _section_id(heading_line: str) -> str:
+    """The HTML id docutils gives the section of a markdown heading (its text without the markup, as make_id)."""
+    from docutils.nodes import make_id
+
+    text = heading_line.lstrip("#").strip()
+    text = re.sub(r"\{[\w:-]+\}`([^`]*)`", r"\1", text)
+    text = re.sub(r"`([^`]*)`", r"\1", text)
+    text = re.sub(r"\$([^$]*)\$", r"\1", text)
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)
+    text = text.replace("*", "")
+    return make_id(text)
+
+
+def _headings(text: str) -> list[re.Match]:
+    fences = [m.span() for m in re.finditer(r"^```.*?^```[^\n]*$", text, re.S | re.M)]
+    return [h for h in _HEADING_LINE.finditer(text) if not any(a <= h.start() < b for a, b in fences)]
+
+
+def with_english_anchors(english: str, chinese: str) -> str:
+    """``chinese`` with, before each heading, an anchor that has the id of the English heading's section: a link
+    to ``page#english-section`` (the API page's table of causes, say) lands on the same section in both editions.
+    Headings are paired in order; a unit whose headings do not pair up gets no anchors."""
+    en_headings, zh_headings = _headings(english), _headings(chinese)
+    if len(en_headings) != len(zh_headings):
+        return chinese
+    for en, zh in reversed(list(zip(en_headings, zh_headings))):
+        section = _section_id(en.group(0))
+        if section and not en.group(0).startswith("# ") and section != _section_id(zh.group(0)):
+            chinese = chinese[:zh.start()] + f'<a id="{section}"></a>\n\n' + chinese[zh.start():]
+    return chinese
+
+
 def chinese_notebook_text(page: pathlib.Path, found: dict[str, str]) -> str:
     import nbformat
 
@@ -361,7 +393,7 @@ def chinese_notebook_text(page: pathlib.Path, found: dict[str, str]) -> str:
                 mystnb[key] = _translated_prompt(mystnb[key])
     markdown = [cell for cell in zh["cells"] if cell["cell_type"] == "markdown"]
     for cell, text in zip(markdown, annotate_first_uses([found[cell["id"]] for cell in markdown])):
-        cell["source"] = text.splitlines(keepends=True)
+        cell["source"] = with_english_anchors("".join(cell["source"]), text).splitlines(keepends=True)
     return nbformat.writes(nbformat.from_dict(zh)) + "\n"
 
 
@@ -369,6 +401,7 @@ def chinese_page_text(page: pathlib.Path, found: dict[str, str]) -> str:
     pieces = md_blocks(page.read_text(encoding="utf-8"))
     keys = [i for i, (block, _) in enumerate(pieces) if block.strip() and f"b{i}" in found]
     annotated = dict(zip(keys, annotate_first_uses([found[f"b{i}"] for i in keys])))
+    annotated = {i: with_english_anchors(pieces[i][0], text) for i, text in annotated.items()}
     return join_md_blocks([(annotated.get(i, block), separator) for i, (block, separator) in enumerate(pieces)])
 
 

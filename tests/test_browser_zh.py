@@ -96,6 +96,17 @@ def test_every_page_links_to_its_twin_in_the_other_language_and_back(built_book,
     assert CJK.search(zh_page.title), f"{chinese}: the title {zh_page.title!r} is not Chinese"
 
 
+@pytest.mark.parametrize("source", book_tools.toc_sources(), ids=lambda p: str(p.relative_to(book_tools.ROOT)))
+def test_every_section_of_an_english_page_has_its_anchor_on_the_chinese_page(built_book, source):
+    """A link to page#section (the API page's table of causes has them) lands on that section in both editions."""
+    english = built_book.page(source).read_text(encoding="utf-8")
+    chinese = _zh_html(built_book, source).read_text(encoding="utf-8")
+    sections = re.findall(r'<section id="([^"]+)"', english)
+    ids = set(re.findall(r'\bid="([^"]+)"', chinese))
+    missing = [s for s in sections[1:] if s not in ids]  # the first is the page's title
+    assert not missing, f"sections of {source.name} without an anchor on its Chinese page: {missing}"
+
+
 @pytest.mark.parametrize("source", [p for p in book_tools.toc_sources() if p.suffix == ".ipynb"],
                          ids=lambda p: str(p.relative_to(book_tools.ROOT)))
 def test_chinese_page_launches_the_chinese_notebook_in_colab(built_book, source):
