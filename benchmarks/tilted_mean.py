@@ -82,8 +82,8 @@ def main() -> None:
             cpu_times[key].append(time.process_time() - cpu_start)
 
     medians = {key: statistics.median(t) for key, t in times.items()}
-    print(f"tilted_mean benchmark: {args.size} elements, forward + backward under XLA, "
-          f"median of {args.rounds} rounds (all candidates in turn in each round)")
+    print(f"tilted_mean benchmark: {args.size} elements, forward + backward")
+    print(f"under XLA, median of {args.rounds} rounds (all candidates in each round)")
     rows = []
     for dtype in args.dtype:
         naive, ours = medians[(dtype, "naive")], medians[(dtype, "tilted_mean")]
@@ -91,8 +91,9 @@ def main() -> None:
         per_round = [a / b for a, b in zip(times[(dtype, "tilted_mean")], times[(dtype, "naive")])]
         q1, _, q3 = statistics.quantiles(per_round, n=4)
         cpu = statistics.median(cpu_times[(dtype, "tilted_mean")]) / statistics.median(cpu_times[(dtype, "naive")])
-        print(f"  {dtype}: naive {naive * 1e3:7.2f} ms, tilted_mean {ours * 1e3:7.2f} ms, "
-              f"ratio {ratio:.2f} (quartiles {q1:.2f}..{q3:.2f}; CPU time {cpu:.2f}; target <= 1.5)")
+        print(f"  {dtype}: naive {naive * 1e3:.2f} ms, tilted_mean {ours * 1e3:.2f} ms")
+        print(f"    ratio {ratio:.2f} (quartiles {q1:.2f}..{q3:.2f}; CPU time {cpu:.2f};"
+              " target <= 1.5)")
         rows.append({
             "label": f"tilted_mean / naive formula ({args.size:,} {dtype})",
             "dtype": dtype, "ratio": ratio, "target": 1.5, "q1": q1, "q3": q3, "cpu": cpu,

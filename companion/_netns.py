@@ -14,28 +14,51 @@ import os
 import select
 import subprocess
 import sys
+import textwrap
 from typing import Sequence
 
 #: Seconds the process that creates a job's namespace may take to answer.
 _NAMESPACE_SECONDS = 20.0
+#: Width of the lines of :class:`NetworkIsolationError`'s message (a notebook's width).
+_WIDTH = 76
+#: Set to ``1`` to make this machine behave as one without network namespaces (as
+#: Colab may be): :func:`companion.launch.network_isolation` reports them unavailable and
+#: :func:`companion.launch.launch` refuses without ``allow_network_exposure=True``. For
+#: trying a script's or a notebook's path on such a machine; it never exposes anything.
+SIMULATE_UNAVAILABLE_VARIABLE = "COMPANION_NO_NETWORK_NAMESPACES"
 
 
 class NetworkIsolationError(RuntimeError):
     """:func:`launch` cannot isolate the workers' network and was not allowed to expose it.
 
+    The message is short and says the one-line choice: where the reader trusts the
+    network (or its ports are firewalled), ``allow_network_exposure=True``.
+
     Attributes:
         reason: why no private network could be made on this machine.
+
+    Example:
+        >>> error = NetworkIsolationError("no user namespaces")
+        >>> print(str(error).splitlines()[0])
+        No private network for the workers here: no user namespaces.
+        >>> "allow_network_exposure=True" in str(error)
+        True
     """
 
     def __init__(self, reason: str):
         self.reason = reason
+        first = textwrap.fill(f"No private network for the workers here: {reason}.", _WIDTH)
         super().__init__(
-            f"cannot run the workers in a private network: {reason}. TensorFlow's server "
-            "listens on every network interface, has no authentication and runs the graphs "
-            "it is sent (TensorFlow's SECURITY.md: 'you must isolate the network in which "
-            "the cluster lives'). To run the workers on this machine's network anyway, on a "
-            "network you trust or behind a firewall that blocks their ports, pass "
-            "allow_network_exposure=True (command line: --allow-network-exposure)."
+            f"{first}\n"
+            + textwrap.fill(
+                "Without one, their TensorFlow servers listen on every interface of "
+                "this machine, without authentication, and run any graph they are sent "
+                "(TensorFlow's SECURITY.md). On a network you trust, or with their "
+                "ports firewalled, allow that with one argument:",
+                _WIDTH,
+            )
+            + "\n    launch(..., allow_network_exposure=True)"
+            + "\n    python -m companion.launch --allow-network-exposure ..."
         )
 
 
@@ -133,6 +156,8 @@ class _Namespace:
     """A private user + network namespace with only ``lo``, held open by file descriptors."""
 
     def __init__(self) -> None:
+        if os.environ.get(SIMULATE_UNAVAILABLE_VARIABLE, "") not in ("", "0"):
+            raise _Unavailable(f"{SIMULATE_UNAVAILABLE_VARIABLE} is set, so network namespaces count as unavailable")
         if not sys.platform.startswith("linux"):
             raise _Unavailable(f"network namespaces are a Linux feature, and this is {sys.platform}")
         maker = subprocess.Popen(

@@ -28,7 +28,9 @@ The price: the workers have no other network either (no downloads, no ``gs://``
 checkpoints); fetch data before the launch. Where no such namespace can be made (macOS,
 Windows, a kernel or container without user namespaces), :func:`launch` refuses to
 start unless given ``allow_network_exposure=True`` (``--allow-network-exposure``), and
-then warns once.
+then warns once. To try a script (or the chapter) as it runs on such a machine, set the
+environment variable ``COMPANION_NO_NETWORK_NAMESPACES=1``: namespaces then count as
+unavailable.
 
 **Supervision**, as ``torchrun`` does it: the output of worker ``i`` is kept (and printed
 with the prefix ``[worker i]`` by the command line); when a worker fails, the others get
@@ -120,7 +122,8 @@ def network_isolation() -> NetworkIsolation:
     """Whether :func:`launch` can run workers in a private, loopback-only network here.
 
     It tries: it makes such a namespace (a new unprivileged user and network namespace on
-    Linux) and removes it again, in a few milliseconds.
+    Linux) and removes it again, in a few milliseconds. With the environment variable
+    ``COMPANION_NO_NETWORK_NAMESPACES=1`` it reports them unavailable without trying.
 
     Returns:
         A :class:`NetworkIsolation`: ``available``, and how or why not (``reason``).

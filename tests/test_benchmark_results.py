@@ -130,7 +130,7 @@ def test_invalid_json_is_a_value_error_naming_the_file(tmp_path):
 def test_the_docstring_examples_run():
     finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
     tests = [test for test in finder.find(benchmark_results) if test.examples]
-    assert len(tests) == 3
+    assert len(tests) == 4  # from_document, setting, load_results, results_directory
     for test in tests:
         runner.run(test)
     assert runner.summarize(verbose=False).failed == 0
@@ -148,3 +148,36 @@ def test_a_benchmark_writes_a_bare_file_name_into_the_results_the_package_ships(
     (result,) = load_results(directory=tmp_path)
     assert (result.benchmark, result.ratios[0]["met"]) == ("tilted_mean", False)
     assert result.document["tensorflow"] and result.document["keras"]
+
+
+@pytest.mark.parametrize(
+    "onednn, setting",
+    [({"TF_ENABLE_ONEDNN_OPTS": "0", "enabled": False}, "AMD EPYC, oneDNN off"),
+     ({"enabled": True}, "AMD EPYC, oneDNN on"), (True, "AMD EPYC, oneDNN on"),
+     (None, "AMD EPYC, oneDNN not recorded"), ({"enabled": None}, "AMD EPYC, oneDNN not recorded")],
+)
+def test_the_setting_names_the_cpu_and_the_onednn_state(onednn, setting):
+    fields = {"cpu": "AMD EPYC"} if onednn is None else {"cpu": "AMD EPYC", "onednn": onednn}
+    assert BenchmarkResult.from_document(_document(**fields)).setting == setting
+
+
+def test_two_files_of_one_cpu_with_different_onednn_settings_have_different_settings(tmp_path):
+    # The performance chapter labels each table with the setting: two files of one CPU
+    # must not show the same label with different numbers.
+    for enabled in (False, True):
+        _write(tmp_path, f"t-{enabled}.json", _document(cpu="AMD EPYC", onednn={"enabled": enabled}))
+    settings = [result.setting for result in load_results(directory=tmp_path)]
+    assert settings == ["AMD EPYC, oneDNN off", "AMD EPYC, oneDNN on"]
+    shipped = [(result.benchmark, result.setting) for result in load_results()]
+    assert len(shipped) == len(set(shipped)), shipped
+
+
+@pytest.mark.parametrize(
+    "q1, q3, verdict",
+    [(0.9, 1.02, "met"), (1.0, 1.03, "met"), (0.84, 1.23, "not resolved"), (1.031, 1.2, "missed")],
+)
+def test_the_verdict_says_whether_the_spread_of_the_rounds_resolves_the_target(q1, q3, verdict):
+    document = _document(ratio=1.0 if q1 <= 1.0 else q1, target=1.03)
+    document["ratios"][0].update(q1=q1, q3=q3)
+    row = BenchmarkResult.from_document(document).ratios[0]
+    assert row["verdict"] == verdict

@@ -13,6 +13,7 @@ import doctest
 import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -355,6 +356,65 @@ def test_without_isolation_the_command_line_refuses_unless_allowed(no_namespaces
     assert "[launch] WARNING: the workers are NOT isolated: simulated" in out and "[worker 1] cluster" in out
     assert main(["--check-isolation"]) == 1
     assert "not isolated: simulated: the kernel refused" in capsys.readouterr().out
+
+
+def test_the_environment_variable_makes_namespaces_unavailable(monkeypatch, script):
+    # What a notebook kernel or a worker script sees on a machine without namespaces.
+    actual = network_isolation().available
+    monkeypatch.setenv("COMPANION_NO_NETWORK_NAMESPACES", "1")
+    status = network_isolation()
+    assert not status.available and "COMPANION_NO_NETWORK_NAMESPACES" in status.reason
+    with pytest.raises(NetworkIsolationError) as caught:
+        launch(script, 2, timeout=30)
+    message = str(caught.value)
+    assert "allow_network_exposure=True" in message and "every interface" in message
+    assert max(len(line) for line in message.splitlines()) <= 78  # a notebook's width
+    monkeypatch.setenv("COMPANION_NO_NETWORK_NAMESPACES", "0")
+    assert network_isolation().available == actual  # "0" switches it off again
+
+
+CHAPTER = ROOT / "book" / "tools" / "training_across_machines.ipynb"
+
+
+@pytest.mark.slow
+def test_the_multiworker_chapter_runs_where_no_private_network_can_be_made(tmp_path):
+    """The chapter as a Colab reader without user namespaces runs it: to the end, no error,
+    the launches skipped, and the one-line choice printed once."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    notebook = nbformat.read(CHAPTER, as_version=4)
+    notebook.cells = [c for c in notebook.cells if "nbval-skip" not in c.metadata.get("tags", [])]
+    env = {"COMPANION_NO_NETWORK_NAMESPACES": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    previous = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)  # the kernel inherits this process's environment
+    try:
+        nbclient.NotebookClient(
+            notebook, timeout=300, kernel_name="python3",
+            resources={"metadata": {"path": str(tmp_path)}},
+        ).execute()
+    finally:
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    printed, in_exercises = [], False
+    for cell in notebook.cells:
+        in_exercises = in_exercises or cell.source.startswith("## Exercises")
+        if cell.cell_type == "code" and not in_exercises:
+            text = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream"
+                           and o.name == "stdout")
+            printed.append((cell.source, text))
+        if cell.cell_type == "code":
+            assert not any(o.output_type == "error" for o in cell.outputs), cell.source
+    everything = "\n".join(text for _, text in printed)
+    assert "the workers can run in a private network here: False" in everything
+    assert everything.count("allow_network_exposure=True") == 1  # the choice, once
+    launches = [text for source, text in printed if "launch(" in source]
+    assert len(launches) == 2 and all(text.startswith("skipped: ") for text in launches)
+    assert "epoch losses, one process:" in everything  # what needs no workers still ran
+    # no worker ran: no exit codes, no worker's result
+    assert "exit codes" not in everything and not re.search(r"^worker \d: ", everything, re.M)
 
 
 def test_check_isolation_reports_this_machine(capsys):

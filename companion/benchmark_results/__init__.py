@@ -36,10 +36,15 @@ class BenchmarkResult:
         cpu: the CPU it ran on: the recorded CPU model, or, in files that do not record
             it, the machine's description (``"2 CPU cores (x86_64), no GPU"``).
         ratios: one dict per measured ratio, with at least ``label``, ``ratio``,
-            ``target`` and ``met`` (``ratio <= target``), and the quartiles ``q1`` and
-            ``q3`` (equal to ``ratio`` where the file has none).
+            ``target`` and ``met`` (``ratio <= target``), the quartiles ``q1`` and
+            ``q3`` of the per-round ratios (equal to ``ratio`` where the file has
+            none), and ``verdict``: ``"met"`` if even ``q3`` is at most the target,
+            ``"missed"`` if even ``q1`` is above it, else ``"not resolved"`` (the
+            spread of the rounds straddles the target, so the run cannot tell).
         document: the whole JSON object as read, with every field it has.
         source: the file's name.
+        onednn: whether TensorFlow's oneDNN kernels were on (``True``/``False``), or
+            ``None`` where the file does not record it.
     """
 
     benchmark: str
@@ -47,6 +52,20 @@ class BenchmarkResult:
     ratios: tuple[dict[str, Any], ...]
     document: Mapping[str, Any]
     source: str
+    onednn: bool | None = None
+
+    @property
+    def setting(self) -> str:
+        """The CPU and the oneDNN setting, e.g. ``"AMD EPYC, oneDNN off"``: how results differ.
+
+        Example:
+            >>> BenchmarkResult.from_document(
+            ...     {"benchmark": "b", "cpu": "AMD EPYC", "onednn": {"enabled": False}, "ratios": []}
+            ... ).setting
+            'AMD EPYC, oneDNN off'
+        """
+        onednn = {True: "oneDNN on", False: "oneDNN off", None: "oneDNN not recorded"}[self.onednn]
+        return f"{self.cpu}, {onednn}"
 
     @classmethod
     def from_document(cls, document: Mapping[str, Any], source: str = "<document>") -> BenchmarkResult:
@@ -69,6 +88,9 @@ class BenchmarkResult:
             ... )
             >>> result.cpu, result.ratios[0]["met"], result.ratios[0]["q1"]
             ('m', True, 1.2)
+            >>> result.ratios[0]["verdict"]
+            'met'
+
         """
         if not isinstance(document, Mapping):
             raise ValueError(f"{source}: expected a JSON object, got {type(document).__name__}")
@@ -84,6 +106,12 @@ class BenchmarkResult:
             row.setdefault("q1", row["ratio"])
             row.setdefault("q3", row["ratio"])
             row["met"] = bool(row["ratio"] <= row["target"])
+            if row["q3"] <= row["target"]:
+                row["verdict"] = "met"
+            elif row["q1"] > row["target"]:
+                row["verdict"] = "missed"
+            else:
+                row["verdict"] = "not resolved"
             ratios.append(row)
         return cls(
             benchmark=str(document["benchmark"]),
@@ -91,6 +119,7 @@ class BenchmarkResult:
             ratios=tuple(ratios),
             document=dict(document),
             source=source,
+            onednn=_onednn(document),
         )
 
 
@@ -103,6 +132,14 @@ def _cpu_name(document: Mapping[str, Any]) -> str:
         if isinstance(value, str) and value.strip():
             return value.strip()
     return str(document.get("machine", "unknown machine"))
+
+
+def _onednn(document: Mapping[str, Any]) -> bool | None:
+    """Whether oneDNN was on, from ``onednn.enabled`` (or a bare boolean ``onednn``)."""
+    value = document.get("onednn")
+    if isinstance(value, Mapping):
+        value = value.get("enabled")
+    return value if isinstance(value, bool) else None
 
 
 def results_directory() -> pathlib.Path:
@@ -131,8 +168,8 @@ def load_results(
         directory: read this folder instead of the results shipped with the package.
 
     Returns:
-        The results, one per file (a benchmark has one file per CPU type measured), sorted
-        by benchmark, then CPU.
+        The results, one per file (a benchmark has one file per CPU type and oneDNN
+        setting measured), sorted by benchmark, then CPU, then oneDNN setting.
 
     Raises:
         TypeError: if ``benchmark`` is neither ``None`` nor a string.
@@ -173,4 +210,4 @@ def load_results(
         results = [result for result in results if result.benchmark == benchmark]
         if not results:
             raise ValueError(f"no results of the benchmark {benchmark!r}; there are results of {known}")
-    return sorted(results, key=lambda result: (result.benchmark, result.cpu, result.source))
+    return sorted(results, key=lambda result: (result.benchmark, result.setting, result.source))
