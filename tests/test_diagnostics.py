@@ -109,6 +109,19 @@ def test_gradient_report_prints_an_aligned_table():
     assert "3 NaN, 1 Inf" in str(report[0])
 
 
+def test_gradient_report_renders_as_the_books_html_table():
+    report = GradientReport(
+        [
+            GradientRecord("net/dense/kernel", (4, 8), nan_count=3, inf_count=1, max_abs=1.5),
+            GradientRecord("net/unused", (2,), 0, 0, 0.0, has_gradient=False),
+        ]
+    )
+    page = report._repr_html_()
+    assert page.count("<tr>") == 3 and page.count("<th ") == 5  # a header and one row per record
+    for cell in ("net/dense/kernel", "(4, 8)", ">3<", ">1<", "1.50e+00", "no gradient"):
+        assert cell in page
+
+
 def test_nonfinite_gradients_rejects_bad_arguments():
     model = sqrt_model()
     batch = (np.ones((2, 1), "float32"), np.ones((2, 1), "float32"))
@@ -157,6 +170,9 @@ def test_locate_finds_a_gradient_nan_under_a_finite_forward_pass():
     assert where.layer == "net/sqrt_wx" and where.filename.endswith("training_data.py")
     assert where.lineno == line_of(SqrtOfProduct.call, "tf.sqrt") and "tf.sqrt" in where.source
     assert where.gradient_lineno == line_of(step, "tape.gradient")
+    page = where._repr_html_()  # the same fields, as a table in a notebook
+    assert "SqrtGrad" in page and "gradient of Sqrt" in page and "net/sqrt_wx" in page
+    assert f"training_data.py:{where.lineno}" in page and f":{where.gradient_lineno}<" in page
 
 
 def test_locate_sees_through_xla_compiled_functions():

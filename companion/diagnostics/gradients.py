@@ -129,6 +129,22 @@ class GradientReport(tuple):
     def _repr_pretty_(self, printer, cycle) -> None:  # IPython display
         printer.text(self.table())
 
+    def _repr_html_(self) -> str:
+        """The table as the book's HTML table (Jupyter, Colab and the book render it)."""
+        from companion.notebook import html_table  # noqa: PLC0415 - display only
+
+        rows = [
+            (
+                r.path,
+                str(r.shape),
+                r.nan_count if r.has_gradient else "-",
+                r.inf_count if r.has_gradient else "-",
+                _format_float(r.max_abs) if r.has_gradient else "no gradient",
+            )
+            for r in self
+        ]
+        return html_table(rows, ["variable", "shape", "NaN", "Inf", "max |finite|"])._repr_html_()
+
 
 def _format_float(value: float | None) -> str:
     if value is None:

@@ -93,6 +93,28 @@ class NonFiniteLocation:
             lines.append(f"  gradient:  {name}:{self.gradient_lineno}")
         return "\n".join(lines)
 
+    def _repr_html_(self) -> str:
+        """The location as a two-column HTML table (Jupyter, Colab and the book render it)."""
+        from companion.notebook import html_table  # noqa: PLC0415 - display only
+
+        counts = ", ".join(
+            text for n, text in ((self.nan_count, f"{self.nan_count} NaN"), (self.inf_count, f"{self.inf_count} Inf")) if n
+        )
+        rows = [
+            ("op", self.op_type),
+            ("phase", f"gradient of {self.gradient_of}" if self.gradient_of else self.phase),
+            ("op name", self.op_name),
+            ("tensor", f"{self.dtype} {self.shape}" + (f", {counts}" if counts else "")),
+        ]
+        if self.layer:
+            rows.append(("layer", self.layer))
+        if self.filename is not None:
+            where = f"{os.path.basename(self.filename)}:{self.lineno}: {self.source}"
+            rows.append(("forward op's line" if self.gradient_of else "user code", where))
+        if self.gradient_filename is not None:
+            rows.append(("tape.gradient", f"{os.path.basename(self.gradient_filename)}:{self.gradient_lineno}"))
+        return html_table(rows, ["", "first non-finite value"])._repr_html_()
+
 
 def count_nonfinite(array: np.ndarray) -> tuple[int, int]:
     """NaN and Inf counts of ``array`` (a complex entry with a NaN part counts as NaN)."""
