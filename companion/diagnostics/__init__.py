@@ -4,7 +4,7 @@
   first batch whose loss or gradients are not finite, and returns a
   :class:`Diagnosis`: the phase, the op (and, for a gradient op, the forward op it
   differentiates), the layer, the line of user code, the variables, what the op's
-  inputs were, the cause (one of :data:`CAUSES`), its fix and the book section.
+  inputs were, the cause (one of ``CAUSES``), its fix and the book section.
 * :class:`NaNDoctor` is the same for ``model.fit`` users, as a callback, and
   :func:`diagnose_function` for a custom training step (eager, ``tf.function``, XLA).
 * :func:`nonfinite_gradients` says *which variables* receive NaN or Inf gradients on

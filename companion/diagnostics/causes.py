@@ -1,6 +1,6 @@
 """The documented causes of a NaN, their fixes and book sections, and how each is recognised.
 
-:data:`CAUSES` maps each cause name that :attr:`Diagnosis.cause
+``CAUSES`` maps each cause name that :attr:`Diagnosis.cause
 <companion.diagnostics.Diagnosis.cause>` can take to a :class:`Cause`: a description,
 the fix (the ``companion`` function or TensorFlow idiom) and the book section that
 shows it (``chapter path#anchor``, relative to the book's root). Tools and tests may
@@ -23,11 +23,10 @@ __all__ = ["CAUSES", "Cause"]
 class Cause(NamedTuple):
     """One documented cause: what it is, what to do, where the book shows it.
 
-    Attributes:
-        description: what happened, in a sentence.
-        fix: what to do: the ``companion`` function or the TensorFlow idiom.
-        section: the book chapter and anchor that shows it, e.g.
-            ``"book/foundations/finite_loss_nan_gradients#the-tf-where-trap"``.
+    Its three fields: ``description``, what happened, in a sentence; ``fix``, what to do
+    (the ``companion`` function or the TensorFlow idiom); ``section``, the book chapter
+    and anchor that shows it, e.g.
+    ``"book/foundations/finite_loss_nan_gradients#the-tf-where-trap"``.
     """
 
     description: str
@@ -180,7 +179,7 @@ def _fact(op: str, index: int, array: np.ndarray, mask: np.ndarray, what: str) -
 
 
 def classify(event, masked_selects: Sequence = (), *, loss_finite: bool = True) -> tuple[str, str]:
-    """The cause (a key of :data:`CAUSES`) and a one-line summary of the culprit's inputs.
+    """The cause (a key of ``CAUSES``) and a one-line summary of the culprit's inputs.
 
     Args:
         event: an :class:`~companion.diagnostics.trace.OpEvent`, the culprit.

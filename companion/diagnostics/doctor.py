@@ -9,7 +9,7 @@
 3. re-runs the batch op by op (:class:`~companion.diagnostics.trace.OpTracer`): the
    first forward op whose output is not finite if the loss is not, else the first op
    of the backward pass, mapped to the forward op it differentiates;
-4. names the cause (one of :data:`~companion.diagnostics.CAUSES`) from that op and its
+4. names the cause (one of ``CAUSES``) from that op and its
    inputs, and says whether the compiled step and the op-by-op re-run disagree.
 """
 
@@ -58,7 +58,7 @@ class Diagnosis:
         dtype: dtype of the first non-finite tensor.
         inputs_summary: what the culprit's inputs were, e.g. ``"3 of 64 inputs of
             Sqrt are exactly 0"``.
-        cause: one of the names of :data:`~companion.diagnostics.CAUSES`.
+        cause: one of the names of ``CAUSES``.
         fix: what to do (the cause's fix).
         section: the book chapter and anchor that shows the cause.
         mode_disagreement: ``None``, or a sentence saying that the compiled step and
@@ -99,7 +99,7 @@ class Diagnosis:
 
     @property
     def description(self) -> str:
-        """The cause's description (from :data:`~companion.diagnostics.CAUSES`)."""
+        """The cause's description (from ``CAUSES``)."""
         return CAUSES[self.cause].description
 
     def __str__(self) -> str:
