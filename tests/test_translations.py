@@ -1,0 +1,299 @@
+"""The Chinese edition (zh/) against the English book it is made from (scripts/translate_book.py).
+
+- every unit of English text (a markdown cell, a block of a page, a site string) has a translation of its
+  current English text: a missing or stale one fails, naming the page and the cell;
+- every Chinese notebook has the English notebook's cells, with code, outputs, execution counts and metadata
+  byte for byte the same; only the markdown sources differ, and the labels of the toggles that hide solution
+  code (myst-nb's ``code_prompt_show``/``code_prompt_hide``), which are translated;
+- zh/ is exactly what the script writes (nobody edited a generated file, nothing was left out);
+- the translations are Chinese, keep the English's math and code, and use the glossary's terms;
+- nbval never collects the Chinese notebooks (they would run the same code a second time).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+import book_tools
+import translate_book
+
+PAGES = translate_book.english_pages()
+NOTEBOOKS = [p for p in PAGES if p.suffix == ".ipynb"]
+CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff]")
+
+
+def _name(path: pathlib.Path) -> str:
+    return path.relative_to(book_tools.ROOT).as_posix()
+
+
+def test_the_site_strings_have_current_translations():
+    problems = translate_book.translations(None)[1]
+    assert not problems, "\n".join(map(str, problems))
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_name)
+def test_every_english_cell_has_a_current_translation(page):
+    problems = translate_book.translations(page)[1]
+    assert not problems, (
+        f"{len(problems)} units of {_name(page)} have no current translation "
+        "(python scripts/translate_book.py --stale shows what changed):\n" + "\n".join(map(str, problems))
+    )
+
+
+def _without_prompts(cell: dict, check_chinese: list | None = None, index: int = 0) -> dict:
+    """A code cell without the labels of its toggle (myst-nb's code_prompt_show/hide), the one part of a code
+    cell the Chinese edition translates; with ``check_chinese``, a label that is not Chinese is reported there."""
+    cell = json.loads(json.dumps(cell))
+    mystnb = cell.get("metadata", {}).get("mystnb", {})
+    for key in translate_book.PROMPT_KEYS:
+        label = mystnb.pop(key, None)
+        if check_chinese is not None and label is not None and not CJK.search(label):
+            check_chinese.append(f"cell {index} (id {cell['id']}): {key} {label!r} is not translated")
+    if mystnb == {} and "mystnb" in cell.get("metadata", {}):
+        del cell["metadata"]["mystnb"]
+    return cell
+
+
+@pytest.mark.parametrize("page", NOTEBOOKS, ids=_name)
+def test_chinese_notebook_has_the_english_code_and_outputs(page):
+    twin = translate_book.zh_path(page)
+    assert twin.is_file(), f"{_name(twin)} is missing: run python scripts/translate_book.py"
+    english, chinese = (json.loads(p.read_text(encoding="utf-8")) for p in (page, twin))
+    assert chinese["metadata"] == english["metadata"], f"{_name(twin)}: notebook metadata differ from the English"
+    assert (chinese["nbformat"], chinese["nbformat_minor"]) == (english["nbformat"], english["nbformat_minor"])
+    en_ids = [(c["cell_type"], c.get("id")) for c in english["cells"]]
+    zh_ids = [(c["cell_type"], c.get("id")) for c in chinese["cells"]]
+    assert zh_ids == en_ids, f"{_name(twin)}: its cells (type, id) are not the English notebook's"
+    differing = []
+    for index, (en, zh) in enumerate(zip(english["cells"], chinese["cells"])):
+        if en["cell_type"] == "markdown":
+            rest_en = {k: v for k, v in en.items() if k != "source"}
+            rest_zh = {k: v for k, v in zh.items() if k != "source"}
+            if rest_en != rest_zh:
+                differing.append(f"cell {index} (id {en['id']}): markdown metadata or attachments")
+            continue
+        en, zh = _without_prompts(en), _without_prompts(zh, check_chinese=differing, index=index)
+        for field in sorted(set(en) | set(zh)):
+            if json.dumps(en.get(field), sort_keys=True) != json.dumps(zh.get(field), sort_keys=True):
+                differing.append(f"cell {index} (id {en['id']}): {field}")
+    assert not differing, f"{_name(twin)} differs from {_name(page)} in code cells:\n" + "\n".join(differing)
+
+
+def test_chinese_tree_is_what_translate_book_writes():
+    try:
+        differences = translate_book.differences()
+    except translate_book.Untranslated as error:
+        pytest.fail(f"zh/ cannot be written: {len(error.problems)} units untranslated or stale, the first: "
+                    f"{error.problems[0]}")
+    assert not differences, "run python scripts/translate_book.py:\n" + "\n".join(differences)
+
+
+def _prose(text: str) -> str:
+    """Text without fenced blocks, math, inline code, roles' targets, links' URLs and HTML tags."""
+    text = re.sub(r"^(```|:::).*?^\1[^\n]*$", " ", text, flags=re.S | re.M)
+    text = re.sub(r"\$\$.*?\$\$", " ", text, flags=re.S)
+    text = re.sub(r"\$[^$\n]+\$", " ", text)
+    text = re.sub(r"`[^`]*`", " ", text)
+    text = re.sub(r"\{[\w:-]+\}", " ", text)
+    text = re.sub(r"\]\([^)]*\)", "]", text)
+    text = re.sub(r"<[^>]+>", " ", text)
+    return text
+
+
+def _stored_units():
+    for page in [None, *PAGES]:
+        found = translate_book.translations(page)[0]
+        units = translate_book.site_units() if page is None else translate_book.units_of(page)
+        name = translate_book.SITE_STORE.name if page is None else _name(page)
+        for unit in units:
+            if unit.key in found:
+                yield name, unit, found[unit.key]
+
+
+def test_translations_are_chinese_wherever_the_english_has_prose():
+    untranslated = []
+    for name, unit, zh in _stored_units():
+        words = re.findall(r"[A-Za-z]{3,}", _prose(unit.text))
+        if len(words) >= 3 and not CJK.search(_prose(zh)):
+            untranslated.append(f"{name}: {unit.key}: {unit.text.splitlines()[0][:60]!r}")
+    assert not untranslated, "English left untranslated:\n" + "\n".join(untranslated)
+
+
+def _kept(text: str) -> dict[str, list[str]]:
+    """What a translation must keep from the English: math, cross-references, code blocks, directives."""
+    display = re.findall(r"\$\$.*?\$\$", text, flags=re.S)
+    inline = re.findall(r"\$[^$]+?\$", re.sub(r"\$\$.*?\$\$", "", text, flags=re.S))
+    return {
+        "display math": sorted(" ".join(m.split()) for m in display),
+        # a translation may mention a symbol once more, or once less
+        "inline math": sorted({" ".join(m.split()) for m in inline if "\n\n" not in m}),
+        "references": sorted(re.findall(r"\{(?:doc|ref|cite|py:\w+|numref|eq)\}`[^`]*`", text)),
+        # code blocks (```python, ```bash, ```); a ```{directive} holds prose and is translated
+        "code blocks": sorted(re.findall(r"^```[\w+-]*\n.*?^```", text, flags=re.S | re.M)),
+        "directives": sorted(re.findall(r"^(?::{3,}|`{3,})(\{[\w:-]+\})", text, flags=re.M)),
+        # MyST labels (cross-reference targets) and the wrappers that hide solutions
+        "labels": sorted(re.findall(r"^\([\w-]+\)=", text, flags=re.M)),
+        "hidden solutions": re.findall(r'<details class="solution">|</details>', text),
+    }
+
+
+def _targets(references: list[str]) -> list[str]:
+    """A reference's target, without the link text that a translation may change ({doc}`text <target>`)."""
+    out = []
+    for ref in references:
+        role, body = ref.split("`", 1)
+        body = body[:-1]
+        match = re.search(r"<([^<>]+)>$", body)
+        out.append(role + (match.group(1) if match else body))
+    return sorted(out)
+
+
+def test_translations_keep_the_math_references_code_and_directives_of_the_english():
+    changed = []
+    for name, unit, zh in _stored_units():
+        en_kept, zh_kept = _kept(unit.text), _kept(zh)
+        en_kept["references"], zh_kept["references"] = _targets(en_kept["references"]), _targets(
+            [r for r in zh_kept["references"] if "glossary" not in r])
+        for kind in en_kept:
+            if kind == "inline math":  # everything the English has; the Chinese may add a symbol
+                missing = sorted(set(en_kept[kind]) - set(zh_kept[kind]))
+                if missing:
+                    changed.append(f"{name}: {unit.key}: {kind} missing: {missing[:3]}")
+            elif en_kept[kind] != zh_kept[kind]:
+                missing = sorted(set(en_kept[kind]) - set(zh_kept[kind]))
+                extra = sorted(set(zh_kept[kind]) - set(en_kept[kind]))
+                changed.append(f"{name}: {unit.key}: {kind}: missing {missing[:2]}, added {extra[:2]}")
+    assert not changed, "translations that change what must stay as in the English:\n" + "\n".join(changed)
+
+
+def _glossary_rows() -> list[tuple[str, str, list[str]]]:
+    rows = []
+    for line in translate_book.GLOSSARY_SOURCE.read_text(encoding="utf-8").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and CJK.search(cells[0]) and cells[0] != "中文":
+            rows.append((cells[0], cells[1], [w.strip() for w in cells[2].split("、") if w.strip()]))
+    return rows
+
+
+def test_the_glossary_lists_the_books_terms():
+    rows = _glossary_rows()
+    terms = {zh for zh, _, _ in rows}
+    for required in ("梯度", "上溢", "下溢", "对数–指数幂"):
+        assert any(required in term for term in terms), f"the glossary has no entry for {required}"
+    assert any(en.startswith("ulp") for _, en, _ in rows)
+    assert len(rows) >= 30
+
+
+def test_every_page_uses_the_glossarys_terms_and_not_the_ones_it_rules_out():
+    avoided = [(word, zh) for zh, _, words in _glossary_rows() for word in words]
+    assert avoided, "the glossary rules out no translation: nothing to check"
+    found = []
+    for name, unit, zh in _stored_units():
+        prose = _prose(zh)
+        for word, term in avoided:
+            if word in prose:
+                found.append(f"{name}: {unit.key}: {word!r} (the glossary says {term!r})")
+    assert not found, "\n".join(found)
+
+
+def test_the_chinese_intro_says_that_outputs_stay_in_english():
+    intro = translate_book.zh_path(PAGES[0]).read_text(encoding="utf-8")
+    assert re.search(r"输出.{0,40}英文", intro), "the Chinese intro must say once that the outputs stay in English"
+    assert "glossary" in intro, "the Chinese intro links to the glossary"
+
+
+@pytest.mark.slow
+def test_nbval_collects_the_english_notebooks_and_no_chinese_one():
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "--nbval",
+         "--nbval-current-env", "--no-header", "-o", "addopts=", "--ignore=tests", "--ignore=benchmarks",
+         str(book_tools.ROOT)],
+        cwd=book_tools.ROOT, capture_output=True, text=True, timeout=600,
+    )
+    items = [line for line in result.stdout.splitlines() if "::" in line]
+    assert any(line.startswith("book/") and ".ipynb::" in line for line in items), result.stdout[-2000:]
+    chinese = [line for line in items if line.startswith("zh/")]
+    assert not chinese, f"pytest collects the Chinese notebooks: {chinese[:3]}"
+
+
+def test_a_changed_english_cell_is_reported_stale_and_a_new_one_missing(tmp_path, monkeypatch):
+    """The machinery itself, on a two-cell notebook: translated, then the English changed, then a cell added."""
+    page = tmp_path / "chapter.ipynb"
+    cells = [
+        {"cell_type": "markdown", "id": "m1", "metadata": {}, "source": ["# Title\n", "\n", "Some text."]},
+        {"cell_type": "code", "id": "c1", "metadata": {"tags": ["x"]}, "execution_count": 1,
+         "outputs": [{"name": "stdout", "output_type": "stream", "text": ["1.0\n"]}], "source": ["print(1.0)"]},
+    ]
+    nb = {"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+    page.write_text(json.dumps(nb))
+    monkeypatch.setattr(translate_book, "english_pages", lambda: [page])
+    translate_book.import_units(page, f"{translate_book.MARKER}m1\n# 标题\n\n一些文字。\n")
+    found, problems = translate_book.translations(page)
+    assert problems == [] and found == {"m1": "# 标题\n\n一些文字。"}
+    written = json.loads(translate_book.chinese_notebook_text(page, found))
+    assert written["cells"][0]["source"] == ["# 标题\n", "\n", "一些文字。"]
+    assert written["cells"][1] == cells[1]
+
+    cells[0]["source"] = ["# Title\n", "\n", "Some other text."]
+    cells.insert(1, {"cell_type": "markdown", "id": "m2", "metadata": {}, "source": ["New."]})
+    page.write_text(json.dumps(nb))
+    problems = translate_book.translations(page)[1]
+    assert [(p.unit.key, p.unit.index, p.kind) for p in problems] == [("m1", 0, "stale"), ("m2", 1, "missing")]
+    assert "chapter.ipynb: cell 0 (id m1): stale" in str(problems[0])
+    assert problems[0].old_english == "# Title\n\nSome text."
+    with pytest.raises(translate_book.Untranslated, match="cell 1 \\(id m2\\): missing"):
+        translate_book.chinese_tree()
+
+
+def test_a_fork_with_another_repository_url_needs_no_new_translation(monkeypatch):
+    """refresh_notebooks.py rewrites the repository's URLs in the English pages of a fork; the stores keep
+    the URLs as placeholders, so the translations stay current and carry the fork's URLs."""
+    page = PAGES[0]
+    original, fork = book_tools.repository_url(), "https://github.com/someone-else/nan-fork"
+    found, problems = translate_book.translations(page)
+    assert not problems and any(original in zh for zh in found.values()), "the intro names the repository"
+    units = translate_book.units_of(page)
+    rewritten = [
+        translate_book.Unit(u.key, u.index, u.text.replace(original, fork).replace(
+            book_tools.pages_url(original), book_tools.pages_url(fork)))
+        for u in units
+    ]
+    monkeypatch.setattr(book_tools, "repository_url", lambda: fork)
+    monkeypatch.setattr(translate_book, "units_of", lambda _page: rewritten)
+    found_fork, problems = translate_book.translations(page)
+    assert not problems, "\n".join(map(str, problems))
+    assert not any(original in zh for zh in found_fork.values())
+    assert any(fork in zh for zh in found_fork.values())
+
+
+def _chinese_page_prose(page: pathlib.Path) -> str:
+    twin = translate_book.zh_path(page)
+    if twin.suffix == ".ipynb":
+        cells = json.loads(twin.read_text(encoding="utf-8"))["cells"]
+        return "\n\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    return twin.read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_name)
+def test_every_page_gives_the_english_of_a_glossary_term_at_its_first_use(page):
+    text = _chinese_page_prose(page)
+    protected = [m.span() for m in translate_book._PROTECTED.finditer(text)]
+    bare = []
+    for term, english in translate_book.glossary_terms():
+        for match in re.finditer(re.escape(term), text):
+            start, end = match.span()
+            if any(a <= start < b for a, b in protected):
+                continue
+            longer = [t for t, _ in translate_book.glossary_terms() if len(t) > len(term) and term in t]
+            if any(text.startswith(t, start - t.index(term)) for t in longer):
+                continue  # part of a longer term, which has its own English
+            if not re.match(r"[（(，]", text[end:end + 1]):
+                bare.append(f"{term} ({english}): ...{text[max(0, start - 15):end + 5]}...")
+            break
+    assert not bare, f"{_name(page)}: glossary terms without their English at their first use:\n" + "\n".join(bare)
