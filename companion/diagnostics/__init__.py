@@ -31,6 +31,13 @@ from companion.diagnostics.function import diagnose_function
 from companion.diagnostics.gradients import GradientRecord, GradientReport, nonfinite_gradients
 from companion.diagnostics.locate import NonFiniteLocation, locate_nonfinite
 
+#: Every cause a :class:`Diagnosis` names, mapped to its :class:`Cause` (description,
+#: fix, book section); the API page's table lists them. New causes are added, none is
+#: renamed. (Re-bound here so that the API page documents it.)
+#:
+#: :meta hide-value:
+CAUSES = CAUSES
+
 __all__ = [
     "CAUSES",
     "Cause",
