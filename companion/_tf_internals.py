@@ -436,3 +436,50 @@ def parse_check_numerics_message(message: str) -> dict[str, Any]:
         "nan_count": sum(int(n) for n in re.findall(r"# of \+?NaN elements: (\d+)", message)),
         "inf_count": sum(int(n) for n in re.findall(r"# of [+-]Inf elements: (\d+)", message)),
     }
+
+
+# --------------------------------------------------------------------------------------
+# 9. Keras' fit under MultiWorkerMirroredStrategy (companion.training.guard)
+# --------------------------------------------------------------------------------------
+# Relies on: Keras 3's ``TensorFlowTrainer._maybe_symbolic_build(iterator, data_batch)``,
+# called by ``fit``/``evaluate`` before the first step, and ``Trainer._symbolic_build``.
+# Keras 3.15 takes the example batch of a distributed dataset by
+# ``strategy.reduce("MEAN", batch, axis=None)``, which fails under
+# ``MultiWorkerMirroredStrategy`` (``ValueError: Attempt to convert a value (PerReplica
+# ...)``); the repair takes the local replica's part of the batch (only its shapes
+# and dtypes are used) and builds from it, as Keras does for one worker.
+# If gone: no repair is installed (a warning says so), and ``fit`` fails as Keras' does.
+
+
+def repair_symbolic_build_for_multi_worker(model) -> None:
+    """Make ``model``'s symbolic build take its example batch from the local replica."""
+    original = getattr(type(model), "_maybe_symbolic_build", None)
+    if original is None or not callable(getattr(model, "_symbolic_build", None)):
+        warn_once(
+            "_maybe_symbolic_build",
+            "keras models have no _maybe_symbolic_build/_symbolic_build: fit under MultiWorkerMirroredStrategy "
+            "is not repaired",
+        )
+        return
+
+    def local_symbolic_build(iterator=None, data_batch=None):
+        strategy = model.distribute_strategy
+        if iterator is not None:
+            for _, _, it in iterator:
+                batch = next(it)
+                data_batch = tf.nest.map_structure(
+                    lambda v: strategy.experimental_local_results(v)[0]
+                    if isinstance(v, tf.distribute.DistributedValues)
+                    else v,
+                    batch,
+                )
+                break
+        with strategy.scope():
+            model._symbolic_build(data_batch=data_batch)
+
+    model._maybe_symbolic_build = local_symbolic_build
+
+
+def undo_symbolic_build_repair(model) -> None:
+    """Remove what :func:`repair_symbolic_build_for_multi_worker` installed."""
+    vars(model).pop("_maybe_symbolic_build", None)
