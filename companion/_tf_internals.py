@@ -190,14 +190,30 @@ def can_skip_optimizer_all_reduce(optimizer) -> bool:
     return False
 
 
+_skip_lock = threading.Lock()
+_skip_users: dict[int, int] = {}
+
+
 @contextlib.contextmanager
 def optimizer_all_reduce_skipped(optimizer) -> Iterator[None]:
-    """While tracing ``optimizer.apply``: tell it its gradients are summed already."""
-    optimizer._all_reduce_sum_gradients = list  # the (gradient, variable) pairs, unchanged
+    """While tracing ``optimizer.apply``: tell it its gradients are summed already.
+
+    Reference-counted per optimizer: under ``MirroredStrategy`` every replica's thread
+    enters it around the same ``merge_call``.
+    """
+    with _skip_lock:
+        count = _skip_users.get(id(optimizer), 0)
+        if count == 0:
+            optimizer._all_reduce_sum_gradients = list  # the (gradient, variable) pairs, unchanged
+        _skip_users[id(optimizer)] = count + 1
     try:
         yield
     finally:
-        del optimizer._all_reduce_sum_gradients
+        with _skip_lock:
+            _skip_users[id(optimizer)] -= 1
+            if _skip_users[id(optimizer)] == 0:
+                del _skip_users[id(optimizer)]
+                del optimizer._all_reduce_sum_gradients
 
 
 # --------------------------------------------------------------------------------------
@@ -483,3 +499,63 @@ def repair_symbolic_build_for_multi_worker(model) -> None:
 def undo_symbolic_build_repair(model) -> None:
     """Remove what :func:`repair_symbolic_build_for_multi_worker` installed."""
     vars(model).pop("_maybe_symbolic_build", None)
+
+
+# --------------------------------------------------------------------------------------
+# 10. Which callback methods are Keras' empty defaults (companion.training.loop)
+# --------------------------------------------------------------------------------------
+# Relies on: Keras 3 marking the empty methods of ``keras.callbacks.Callback`` with
+# ``_is_default = True`` (``keras.src.utils.python_utils.default``), which is how its own
+# ``CallbackList`` decides whether batch hooks need calling (``LambdaCallback`` sets its
+# hooks on the instance, so comparing with the class's method is not enough).
+# If gone: a method counts as default when it is the base class's own function.
+
+
+def is_default_callback_method(callback, name: str) -> bool:
+    """Whether ``callback.<name>`` is Keras' empty default (not a hook the user gave)."""
+    import keras
+
+    method = getattr(callback, name, None)
+    if method is None:
+        return True
+    base = getattr(keras.callbacks.Callback, name, None)
+    if base is not None and not hasattr(base, "_is_default"):
+        warn_once("_is_default", "keras.callbacks.Callback methods carry no _is_default mark")
+        return getattr(method, "__func__", method) is base
+    return bool(getattr(method, "_is_default", False))
+
+
+# --------------------------------------------------------------------------------------
+# 11. Two MirroredStrategys in one process (companion.training.guard)
+# --------------------------------------------------------------------------------------
+# Relies on: ``MirroredStrategy.extended._collective_keys``, a
+# ``tensorflow.python.distribute.cross_device_utils.CollectiveKeys`` whose group keys
+# start at 1 in every strategy. TensorFlow's runtime caches a collective's parameters
+# by (group key, instance key), so a second strategy in the same process reuses the
+# keys of the first with other shapes and aborts ("Shape mismatch in the collective
+# instance 100"), with fit as with train. Each strategy train runs under gets group
+# keys of its own range, before it has handed out any.
+# If gone: nothing is changed (a warning says so); two strategies in one process then
+# abort as they do with fit.
+
+_COLLECTIVE_KEY_STRIDE = 1000
+_collective_base = [0]
+_collective_lock = threading.Lock()
+
+
+def isolate_collective_keys(strategy) -> None:
+    """Give a single-worker ``strategy`` collective group keys unused in this process."""
+    keys = getattr(strategy.extended, "_collective_keys", None)
+    if keys is None or not hasattr(keys, "_group_key") or not hasattr(keys, "_known_groups"):
+        warn_once(
+            "_collective_keys",
+            "MirroredStrategy has no _collective_keys: two strategies in one process may abort with a "
+            "collective shape mismatch",
+        )
+        return
+    with _collective_lock:
+        if getattr(keys, "_companion_isolated", False) or keys._known_groups:
+            return  # already ours, or already used (its keys are settled)
+        _collective_base[0] += _COLLECTIVE_KEY_STRIDE
+        keys._group_key = 1 + _collective_base[0] * 1000
+        keys._companion_isolated = True

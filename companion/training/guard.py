@@ -95,6 +95,8 @@ class GuardedStep:
         self.strategy = strategy
         self.replicas = int(strategy.num_replicas_in_sync)
         self.multi_worker = _tf_internals.in_multi_worker_mode(strategy)
+        if self.replicas > 1 and not self.multi_worker:
+            _tf_internals.isolate_collective_keys(strategy)
         self.capacity = int(capacity)
         self.guard = guard
         self.clip = clip
@@ -114,13 +116,21 @@ class GuardedStep:
             )
             self.written = tf.Variable(tf.constant(0, tf.int32), name="guard_written", **_ON_READ)
             self.consecutive = tf.Variable(tf.constant(0, tf.int32), name="guard_consecutive", **_ON_READ)
-        self.state = []
-        if guard:
-            seen = {id(v) for v in self.variables}
-            for v in [*model.non_trainable_variables, *model.metrics_variables]:
-                if id(v) not in seen:
-                    seen.add(id(v))
-                    self.state.append(v)
+        self.state = None  # found when the step is traced (fit builds the metrics first)
+
+    def _state(self) -> list:
+        """The variables a skipped step must put back: all but the trainable ones."""
+        if self.state is None:
+            self.state = []
+            if self.guard:
+                seen = {id(v) for v in self.model.trainable_variables}
+                for v in [*self.model.non_trainable_variables, *self.model.metrics_variables]:
+                    if id(v) not in seen:
+                        seen.add(id(v))
+                        self.state.append(v)
+            if len(self.model.trainable_variables) != len(self.variables):
+                self.variables = list(self.model.trainable_variables)
+        return self.state
 
     # -- installing ----------------------------------------------------------------------
 
@@ -128,6 +138,7 @@ class GuardedStep:
         """Make ``model.fit`` run the guarded step (until :meth:`uninstall`)."""
         model = self.model
         model.train_step = types.MethodType(lambda _model, data: self.train_step(data), model)
+        self._originals = self._intercept()
         if self.multi_worker:
             model.test_step = types.MethodType(lambda _model, data: self.test_step(data), model)
             _tf_internals.repair_symbolic_build_for_multi_worker(model)
@@ -137,6 +148,9 @@ class GuardedStep:
 
     def uninstall(self) -> None:
         model = self.model
+        if getattr(self, "_originals", None) is not None:
+            self._restore_optimizer(self._originals)
+            self._originals = None
         for name in ("train_step", "test_step"):
             if name in vars(model):
                 delattr(model, name)
@@ -157,18 +171,17 @@ class GuardedStep:
     def train_step(self, data):
         """The model's own ``train_step``, guarded (replica context)."""
         slot = self._slot
-        saved = [tf.identity(tf.convert_to_tensor(v)) for v in self.state]
+        state = self._state()
+        saved = [tf.identity(tf.convert_to_tensor(v)) for v in state]
         written = tf.convert_to_tensor(self.written)
         consecutive = tf.convert_to_tensor(self.consecutive)
         halted = consecutive >= self.limit
         slot.active, slot.loss, slot.multiplier, slot.applied = True, None, None, None
         slot.halted = halted
         slot.record = None
-        originals = self._intercept()
         try:
             logs = self.original_step(data)
         finally:
-            self._restore_optimizer(originals)
             slot.active = False
         record = slot.record
         if record is None:  # the step applied no gradients (no trainable variables)
@@ -177,14 +190,14 @@ class GuardedStep:
             applied = tf.logical_and(finite, tf.logical_not(halted))
             record = (loss, tf.constant(0.0), applied, self._scale(), None)
         loss, norm, applied, scale, counts = record
-        for variable, value in zip(self.state, saved):
+        for variable, value in zip(state, saved):
             variable.assign(tf.where(applied, tf.convert_to_tensor(variable), value))
         row = tf.stack([tf.cast(loss, tf.float32), tf.cast(norm, tf.float32), tf.cast(applied, tf.float32), scale])
 
         def write():
             index = tf.minimum(written, self.capacity - 1)
             self.records.assign(tf.tensor_scatter_nd_update(tf.convert_to_tensor(self.records), [[index]], [row]))
-            if counts is not None:
+            if counts is not None and self.counts.shape[-1] == len(self.variables):
 
                 def write_counts():
                     self.counts.assign(
@@ -289,14 +302,15 @@ class GuardedStep:
             return tf.stack([nan, inf])
 
         scale = self._scale()  # before the update may change it
-        self._update(apply, update, trainable_variables, applied)
+        if self.presummed:
+            with _tf_internals.optimizer_all_reduce_skipped(self.inner):
+                self._update(apply, update, trainable_variables, applied)
+        else:
+            self._update(apply, update, trainable_variables, applied)
         slot.record = (loss, norm, applied, scale, counts if self.guard else None)
         return self.optimizer.iterations
 
     def _run_apply(self, apply, grads, variables):
-        if self.presummed:
-            with _tf_internals.optimizer_all_reduce_skipped(self.inner):
-                return apply(grads, variables)
         return apply(grads, variables)
 
     def _update(self, apply, grads, variables, applied) -> None:
@@ -505,15 +519,13 @@ def nonfinite_error(history, consecutive, limit, on_nonfinite, loss_scaled) -> N
 
 
 def asks_for_batch_hooks(callbacks) -> bool:
-    """Whether any of ``callbacks`` overrides a batch hook of training."""
+    """Whether any of ``callbacks`` overrides a batch hook of training (as Keras tells)."""
     hooks = ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end")
     for callback in callbacks:
         if isinstance(callback, (keras.callbacks.History, keras.callbacks.ProgbarLogger)):
             continue
-        for name in hooks:
-            method = getattr(type(callback), name, None)
-            if method is not None and method is not getattr(keras.callbacks.Callback, name):
-                return True
+        if any(not _tf_internals.is_default_callback_method(callback, name) for name in hooks):
+            return True
     return False
 
 

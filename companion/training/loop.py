@@ -232,7 +232,8 @@ def train(
         fit_arguments["verbose"] = 0  # one progress bar, the chief's
     chosen = steps_per_execution is None and model.steps_per_execution == 1 and not asks_for_batch_hooks(callbacks)
     previous_steps = model.steps_per_execution
-    if chosen:
+    if chosen and strategy.num_replicas_in_sync == 1:
+        # (Keras 3.15's multi-step loop fails under MirroredStrategy: one step per call there.)
         model.steps_per_execution = _steps_per_execution(x, batch_size, steps_per_epoch, validation_split)
     step = _guarded_step(model, strategy, guard=on_nonfinite != "ignore", clip=clip_global_norm, limit=limit)
     guard_callback = GuardCallback(step, history, on_nonfinite=on_nonfinite, limit=limit)
