@@ -94,15 +94,15 @@ def _conditional_update_optimizer():
     [
         (8, lambda: keras.optimizers.Adam(0.05), "masked"),
         (8, _conditional_update_optimizer, "whole"),
-        # From 2**20 parameters on, the conditional update runs as an XLA function of its own.
-        (1024, _conditional_update_optimizer, "split"),
+        # A large model takes the same way (the update under a conditional in the step).
+        (1024, _conditional_update_optimizer, "whole"),
     ],
     ids=["masked", "conditional-update-small-model", "conditional-update-large-model"],
 )
 def test_skipped_step_leaves_weights_and_optimizer_state_unchanged(width, make_optimizer, update):
-    # "masked" (every write a select, one XLA function) is what train() uses by default;
-    # "whole" and "split" (the update under a conditional, in the step's XLA function or
-    # in its own) are its fallbacks when an optimizer's update cannot be masked.
+    # "masked" (every write a select, fused by XLA) is what train() uses by default;
+    # "whole" (the update under a conditional in the step's XLA function) is its
+    # fallback when an optimizer's update cannot be masked.
     def model():
         built = make_model(batch_norm=True, width=width)
         if width > 8:  # a second wide layer: 1024 * 1024 more parameters

@@ -220,7 +220,7 @@ class GuardedStep:
         return [m.name for m in self.model.metrics]
 
     def _scale(self):
-        if self.loss_scaler is None:
+        if self.loss_scaler is None or not self.loss_scaler.built:
             return tf.constant(1.0)
         return tf.cast(tf.convert_to_tensor(self.loss_scaler.dynamic_scale), tf.float32)
 
@@ -268,6 +268,10 @@ class GuardedStep:
         if trainable_variables is None:
             trainable_variables = self.variables
         trainable_variables = list(trainable_variables)
+        if not self.optimizer.built:
+            # As Keras' apply would, but before the update is traced (masked or not).
+            with tf.init_scope():
+                self.optimizer.build(trainable_variables)
         # Gradients arrive multiplied by what scale_loss multiplied the loss by (the
         # dynamic loss scale, the optimizer's loss_scale_factor).
         multiplier = slot.multiplier_fn() if slot.loss is not None else tf.constant(1.0)
@@ -475,7 +479,8 @@ class GuardCallback(keras.callbacks.Callback):
 
     def _watch_loss_scale(self) -> None:
         history = self.training_history
-        if self.step.loss_scaler is None or history.loss_scale_stalled or not history.loss_scale:
+        scaler = self.step.loss_scaler
+        if scaler is None or not scaler.built or history.loss_scale_stalled or not history.loss_scale:
             return
         current = float(tf.convert_to_tensor(self.step.loss_scaler.dynamic_scale).numpy())
         if current <= STALLED_LOSS_SCALE:

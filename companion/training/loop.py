@@ -203,6 +203,8 @@ def train(
     strategy = strategy or model.distribute_strategy
     if strategy.num_replicas_in_sync > 1:
         _check_scope(model, strategy)
+    if isinstance(x, tf.data.Dataset) and shuffle is True:
+        shuffle = False  # fit ignores shuffle for a dataset (and warns that it does)
     fit_arguments = dict(
         batch_size=batch_size, epochs=epochs, verbose=verbose, validation_split=validation_split,
         validation_data=validation_data, shuffle=shuffle, class_weight=class_weight, sample_weight=sample_weight,

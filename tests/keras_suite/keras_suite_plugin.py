@@ -120,6 +120,12 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
         _OUTCOMES[item.nodeid] = report.outcome
+        path = item.config.getoption("--fit-record")
+        if path:  # one line per test as it ends, so that an interrupted run still tells
+            with open(path + ".jsonl", "a") as f:
+                line = {"test": item.nodeid, "outcome": report.outcome, "fit_calls": _CALLS.get(item.nodeid, 0),
+                        "seconds": round(report.duration, 2)}
+                f.write(json.dumps(line) + "\n")
 
 
 def pytest_runtest_teardown(item):
