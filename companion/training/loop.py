@@ -197,9 +197,8 @@ def train(
             f"checkpoint_dir must be a path (str or os.PathLike) or None, got {type(checkpoint_dir).__name__}"
         )
     callbacks = check_callbacks(callbacks)
-    if x is not None and not isinstance(x, (tf.data.Dataset, np.ndarray, tf.Tensor, dict, list, tuple)):
-        if isinstance(x, Iterable) and not _is_keras_data(x) and not hasattr(x, "__next__"):
-            x = as_dataset(x, "x")  # a finite iterable of (inputs, targets) batches, read once
+    if y is None and isinstance(x, list) and x and all(isinstance(e, tuple) for e in x):
+        x = as_dataset(x, "dataset")  # a list of (inputs, targets[, sample_weights]) batches
     strategy = strategy or model.distribute_strategy
     if strategy.num_replicas_in_sync > 1:
         _check_scope(model, strategy)
