@@ -231,7 +231,12 @@ def train(
     fit_arguments["initial_epoch"] = max(int(initial_epoch or 0), restored_epochs)
     if cluster is not None and not cluster.is_chief:
         fit_arguments["verbose"] = 0  # one progress bar, the chief's
-    chosen = steps_per_execution is None and model.steps_per_execution == 1 and not asks_for_batch_hooks(callbacks)
+    chosen = (
+        steps_per_execution is None and model.steps_per_execution == 1 and not asks_for_batch_hooks(callbacks)
+        # fit runs steps_per_execution steps per call of validation too, whatever
+        # validation_steps says, and counts steps_per_epoch in host calls: 1 there.
+        and not steps_per_epoch and not validation_steps
+    )
     previous_steps = model.steps_per_execution
     if chosen and strategy.num_replicas_in_sync == 1:
         # (Keras 3.15's multi-step loop fails under MirroredStrategy: one step per call there.)
