@@ -529,33 +529,39 @@ def is_default_callback_method(callback, name: str) -> bool:
 # 11. Two MirroredStrategys in one process (companion.training.guard)
 # --------------------------------------------------------------------------------------
 # Relies on: ``MirroredStrategy.extended._collective_keys``, a
-# ``tensorflow.python.distribute.cross_device_utils.CollectiveKeys`` whose group keys
-# start at 1 in every strategy. TensorFlow's runtime caches a collective's parameters
-# by (group key, instance key), so a second strategy in the same process reuses the
-# keys of the first with other shapes and aborts ("Shape mismatch in the collective
-# instance 100"), with fit as with train. Each strategy train runs under gets group
-# keys of its own range, before it has handed out any.
+# ``tensorflow.python.distribute.cross_device_utils.CollectiveKeys`` whose instance keys
+# start at the same number (``_instance_key_table[group][device]``) in every strategy,
+# with the same group key (1). TensorFlow's runtime caches a collective's parameters by
+# (group key, instance key), so a second strategy in the same process reuses the keys of
+# the first with other shapes and aborts ("Shape mismatch in the collective instance
+# 100"), with fit as with train. Each strategy train runs under gets instance keys of
+# its own range.
 # If gone: nothing is changed (a warning says so); two strategies in one process then
 # abort as they do with fit.
 
-_COLLECTIVE_KEY_STRIDE = 1000
-_collective_base = [0]
+_INSTANCE_KEY_STRIDE = 1_000_000
+_collective_ranges = [0]
 _collective_lock = threading.Lock()
 
 
 def isolate_collective_keys(strategy) -> None:
-    """Give a single-worker ``strategy`` collective group keys unused in this process."""
+    """Give a single-worker ``strategy`` collective instance keys unused in this process."""
     keys = getattr(strategy.extended, "_collective_keys", None)
-    if keys is None or not hasattr(keys, "_group_key") or not hasattr(keys, "_known_groups"):
+    table = getattr(keys, "_instance_key_table", None)
+    if not isinstance(table, dict):
         warn_once(
             "_collective_keys",
-            "MirroredStrategy has no _collective_keys: two strategies in one process may abort with a "
-            "collective shape mismatch",
+            "MirroredStrategy has no _collective_keys._instance_key_table: two strategies in one process may "
+            "abort with a collective shape mismatch",
         )
         return
     with _collective_lock:
-        if getattr(keys, "_companion_isolated", False) or keys._known_groups:
-            return  # already ours, or already used (its keys are settled)
-        _collective_base[0] += _COLLECTIVE_KEY_STRIDE
-        keys._group_key = 1 + _collective_base[0] * 1000
+        if getattr(keys, "_companion_isolated", False):
+            return
+        # (A strategy used already just continues in the new range: its keys only grow.)
+        _collective_ranges[0] += 1
+        offset = _collective_ranges[0] * _INSTANCE_KEY_STRIDE
+        for group in table.values():
+            for device in group:
+                group[device] += offset
         keys._companion_isolated = True

@@ -96,22 +96,18 @@ def test_class_weight_weighted_metrics_and_steps_per_execution_act_as_in_fit():
     assert_same_run(*both(build, compile_args, fit_args))
 
 
-def test_nested_losses_aliases_and_add_loss_only_models_train_as_with_fit():
-    inputs = keras.Input((3,))
-    first = keras.layers.Dense(1, name="a")(inputs)
-    second = keras.layers.Dense(2, activation="softmax", name="b")(inputs)
-
+def test_dict_losses_and_add_loss_only_models_train_as_with_fit():
     def build():
         keras.utils.set_random_seed(0)
         i = keras.Input((3,))
         return keras.Model(i, {"a": keras.layers.Dense(1, name="a")(i),
-                               "b": [keras.layers.Dense(2, activation="softmax", name="b")(i)]})
+                               "b": keras.layers.Dense(2, activation="softmax", name="b")(i)})
 
     labels = np.eye(2, dtype="float32")[(X[:, 0] > 0).astype(int)]
-    compile_args = lambda: dict(optimizer=keras.optimizers.SGD(0.05), loss={"a": "mse", "b": ["ce"]})  # noqa: E731
-    fit_args = lambda: dict(x=X, y={"a": Y, "b": [labels]}, batch_size=8, epochs=2, verbose=0, shuffle=False)  # noqa: E731
+    compile_args = lambda: dict(optimizer=keras.optimizers.SGD(0.05),  # noqa: E731
+                                loss={"a": "mse", "b": "categorical_crossentropy"}, loss_weights={"a": 1.0, "b": 0.5})
+    fit_args = lambda: dict(x=X, y={"a": Y, "b": labels}, batch_size=8, epochs=2, verbose=0, shuffle=False)  # noqa: E731
     assert_same_run(*both(build, compile_args, fit_args))
-    del inputs, first, second
 
     class OnlyAddLoss(keras.Model):
         def __init__(self):
@@ -215,7 +211,9 @@ def test_backup_and_restore_resumes_after_the_interrupted_epoch_as_in_fit(tmp_pa
         history = run(callbacks=[backup], **arguments)
         iterations.append((int(model.optimizer.iterations), history.epoch))
     assert iterations[0] == iterations[1]
-    assert iterations[1][0] == 15  # 3 batches x (1 epoch before the backup + 4 after it)
+    # 3 batches x 6 epochs: the resumed run starts after the two backed-up epochs (before
+    # issue 21 train ran every epoch again: 3 x (2 + 6) = 24).
+    assert iterations[1] == (18, [2, 3, 4, 5])
 
 
 def test_logs_keys_and_csv_columns_equal_fits_and_skips_are_reported_elsewhere(tmp_path):

@@ -171,6 +171,12 @@ class GuardedStep:
     def train_step(self, data):
         """The model's own ``train_step``, guarded (replica context)."""
         slot = self._slot
+        if self.state is None and self.guard:
+            # Without a strategy fit builds the compiled metrics inside the first traced
+            # step; the guard must know their variables before the step runs.
+            spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype) if tf.is_tensor(t) else t, data)
+            with tf.init_scope():
+                _tf_internals.build_compiled_state(self.model, spec)
         state = self._state()
         saved = [tf.identity(tf.convert_to_tensor(v)) for v in state]
         written = tf.convert_to_tensor(self.written)
