@@ -144,7 +144,9 @@ def test_a_nan_on_one_worker_skips_the_step_on_every_worker(two_workers):
     first, second = two_workers[0], two_workers[1]
     assert first["nan_in_my_part"] == [False, False] and second["nan_in_my_part"] == [False, True]
     assert first["poisoned"] == second["poisoned"]
-    assert first["poisoned"]["xla"] is True  # the forward and backward pass compile under MWMS on CPU
+    # Keras' step under MWMS (its collectives inside) does not compile with XLA on CPU:
+    # train fell back to running it without XLA, as its docstring says.
+    assert first["poisoned"]["xla"] is False
     history = TrainingHistory.from_json(first["poisoned"]["history"])
     assert history.skipped == [1, 9]
     assert first["poisoned"]["iterations"] == 2 * 8 - 2
