@@ -36,7 +36,6 @@ The design is derived in the chapter *The guarded training loop*.
 
 from __future__ import annotations
 
-import math
 import threading
 import types
 import warnings
@@ -71,8 +70,9 @@ class _TraceSlot(threading.local):
     def __init__(self) -> None:
         self.active = False
         self.loss = None
-        self.multiplier = None
-        self.applied = None
+        self.multiplier_fn = None
+        self.record = None
+        self.halted = None
 
 
 class GuardedStep:
@@ -182,9 +182,7 @@ class GuardedStep:
         written = tf.convert_to_tensor(self.written)
         consecutive = tf.convert_to_tensor(self.consecutive)
         halted = consecutive >= self.limit
-        slot.active, slot.loss, slot.multiplier, slot.applied = True, None, None, None
-        slot.halted = halted
-        slot.record = None
+        slot.active, slot.loss, slot.multiplier_fn, slot.record, slot.halted = True, None, None, None, halted
         try:
             logs = self.original_step(data)
         finally:
@@ -249,7 +247,6 @@ class GuardedStep:
             scaled = scale_loss(loss)
             if slot.active and slot.loss is None:
                 slot.loss = loss
-                slot.multiplier = tf.cast(scaled, tf.float32) / tf.cast(loss, tf.float32)
                 slot.multiplier_fn = lambda: tf.cast(scale_loss(tf.constant(1.0, loss.dtype)), tf.float32)
             return scaled
 
@@ -539,6 +536,3 @@ def asks_for_batch_hooks(callbacks) -> bool:
             return True
     return False
 
-
-def finite_or_nan(value: float) -> float:
-    return value if math.isfinite(value) else float("nan")

@@ -8,14 +8,14 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from companion import _tf_internals
-from companion._checks import check_bool, check_int, check_positive_number
+from companion._checks import check_int, check_positive_number
 from companion.losses import check_keras_loss_shapes
 from companion.optimizers import SkipNonFinite
 from companion.training.checkpoints import TrainingCheckpoint
@@ -26,9 +26,6 @@ from companion.training.results import TrainingHistory, WorkerLostError
 
 #: The most steps one host call runs when ``train`` chooses ``steps_per_execution``.
 MAX_STEPS_PER_EXECUTION = 1024
-
-_UNSET = object()
-
 
 def train(
     model: keras.Model,
@@ -287,10 +284,6 @@ def _check_model(model) -> None:
     if not (isinstance(model, keras.layers.Layer) and trainer):
         kind = "a Keras layer that is not a model" if isinstance(model, keras.layers.Layer) else type(model).__name__
         raise TypeError(f"model must be a Keras model (keras.Model, e.g. keras.Sequential([layer])), got {kind}")
-
-
-def _is_keras_data(x) -> bool:
-    return isinstance(x, keras.utils.PyDataset)
 
 
 def _check_scope(model, strategy) -> None:
