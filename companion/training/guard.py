@@ -142,9 +142,16 @@ class GuardedStep:
         if self.multi_worker:
             model.test_step = types.MethodType(lambda _model, data: self.test_step(data), model)
             _tf_internals.repair_symbolic_build_for_multi_worker(model)
-        # fit builds its train function from model.train_step: a fresh one now.
-        model.train_function = None
-        model.test_function = None
+        # fit builds its train function from model.train_step: the guarded one traced by
+        # an earlier call of train, else a fresh one; the user's is put back afterwards.
+        self._user_functions = (model.train_function, model.test_function)
+        model.train_function = getattr(self, "_train_function", None)
+        model.test_function = getattr(self, "_test_function", None) if self.multi_worker else None
+
+    def forget_functions(self) -> None:
+        """Trace afresh at the next install (e.g. after ``jit_compile`` changed)."""
+        self._train_function = self._test_function = None
+        self.model.train_function = self.model.test_function = None
 
     def uninstall(self) -> None:
         model = self.model
@@ -155,8 +162,8 @@ class GuardedStep:
             if name in vars(model):
                 delattr(model, name)
         _tf_internals.undo_symbolic_build_repair(model)
-        model.train_function = None
-        model.test_function = None
+        self._train_function, self._test_function = model.train_function, model.test_function
+        model.train_function, model.test_function = getattr(self, "_user_functions", (None, None))
 
     # -- the step ------------------------------------------------------------------------
 

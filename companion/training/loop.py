@@ -252,7 +252,6 @@ def train(
         step.uninstall()
         if chosen:
             model.steps_per_execution = previous_steps
-            model.train_function = None
 
 
 def _fit(model, x, y, step, callbacks, fit_arguments, history, cluster, checkpoint, guard_callback):
@@ -274,6 +273,7 @@ def _fit(model, x, y, step, callbacks, fit_arguments, history, cluster, checkpoi
                     stacklevel=3,
                 )
                 model.jit_compile = False
+                step.forget_functions()
                 continue
             raise
     raise AssertionError("unreachable")  # pragma: no cover
