@@ -390,16 +390,25 @@ class GuardedStep:
         self.written.assign(0)
         self.consecutive.assign(consecutive)
 
-    def drain(self) -> tuple[np.ndarray, np.ndarray]:
-        """The records of the steps run since the last drain (rows), and their counts."""
-        n = int(self.written.read_value())
-        if n == 0:
-            return np.zeros([0, 4], np.float32), np.zeros([0, 2, 0], np.int64)
-        n = min(n, self.capacity)
-        records = self.records.read_value()[:n].numpy()
-        counts = self.counts.read_value()[:n].numpy() if self.guard and not records[:, _APPLIED].all() else None
-        self.written.assign(0)
-        return records, counts
+    def drain(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """The records of the steps run since the last drain, and their NaN/Inf counts.
+
+        One function call per host call: it reads the buffer and empties it.
+        """
+        if getattr(self, "_drain_fn", None) is None:
+
+            def drain():
+                n = tf.minimum(tf.convert_to_tensor(self.written), self.capacity)
+                records = tf.convert_to_tensor(self.records)[:n]
+                self.written.assign(0)
+                return records, tf.convert_to_tensor(self.counts)[:n]
+
+            self._drain_fn = tf.function(drain, autograph=False)
+        records, counts = self._drain_fn()
+        records = records.numpy()
+        if not self.guard or records[:, _APPLIED].all():
+            return records, None
+        return records, counts.numpy()
 
 
 #: Per model: what train learnt about it (an optimizer whose update cannot be masked),
