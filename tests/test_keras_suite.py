@@ -13,6 +13,9 @@ policies, logical devices) under tests/keras_suite/keras_suite_plugin.py, which 
 ``keras.Model.fit`` by an adapter that hands each argument of ``fit`` to the argument of
 ``train`` with the same name. By default the quick part runs (the lines marked
 ``quick``); ``KERAS_SUITE=full`` runs every line (what .ci/run runs).
+
+Measured on this 2-core machine under a load average of 7-9 (2026-12-01): the full
+selection (203 tests) took 30 min 16 s; the quick part is 52 tests.
 """
 
 from __future__ import annotations
