@@ -222,9 +222,11 @@ class GuardedStep:
             return tf.constant(0)
 
         tf.cond(halted, lambda: tf.constant(0), write)
-        if isinstance(logs, dict) and set(logs) == set(self._metric_names()):
+        if isinstance(logs, dict):
             # Re-read after the restore: a skipped step leaves no trace in the logs.
-            logs = self.model.get_metrics_result()
+            fresh = self.model.get_metrics_result()
+            if set(fresh) == set(logs):
+                logs = fresh
         return self._per_worker_logs(logs)
 
     def _metric_names(self):
