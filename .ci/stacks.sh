@@ -30,6 +30,7 @@ UNIT_TESTS_SKIP=(
     tests/test_book.py tests/test_browser.py tests/test_built_book.py tests/test_changelog.py
     tests/test_nbval_harness.py tests/test_packaging.py tests/test_readme.py tests/test_stacks.py
     tests/test_workflows.py tests/test_release.py tests/test_lock.py tests/test_intro_stack.py
+    tests/test_translations.py tests/test_browser_zh.py
 )
 # The tests marked slow (fresh processes: MirroredStrategy, multi-worker jobs) run on the lock
 # only, to keep CI within its time; UNIT_TESTS_MARK="" runs them here too.
