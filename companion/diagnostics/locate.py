@@ -93,6 +93,9 @@ class NonFiniteLocation:
             lines.append(f"  gradient:  {name}:{self.gradient_lineno}")
         return "\n".join(lines)
 
+    def _repr_pretty_(self, printer, cycle) -> None:  # IPython's text view: str, no full paths
+        printer.text(str(self))
+
     def _repr_html_(self) -> str:
         """The location as a two-column HTML table (Jupyter, Colab and the book render it)."""
         from companion.notebook import html_table  # noqa: PLC0415 - display only
