@@ -7,6 +7,7 @@ import random
 import matplotlib
 import numpy as np
 import pytest
+import keras
 import tensorflow as tf
 from tensorflow.python.framework.config import (
     disable_op_determinism,
@@ -217,6 +218,12 @@ def test_perturb_ulp_moves_every_variable_by_exactly_one_ulp(no_perturb_env):
     seeded = _fresh_variables()
     setup(seed=0, perturb_ulp=True)
     perturbed = _fresh_variables()
+    # Keras before 3.13 (the oldest stack's 3.5) makes the learning-rate variable from the
+    # float the user typed, which the switch leaves exact by design; 3.13 and newer make it
+    # from a computed tensor, which moves.
+    keras_version = tuple(int(part) for part in keras.__version__.split(".")[:2])
+    if keras_version < (3, 13):
+        assert (perturbed.pop("learning rate") == seeded.pop("learning rate")).all()
     for name, value in seeded.items():
         moved = perturbed[name]
         assert moved.dtype == value.dtype and moved.shape == value.shape, name
