@@ -207,7 +207,14 @@ def _train(model, dataset, validation, args) -> TrainingHistory:
     run.callbacks.on_train_begin()
     logs = None
     for epoch in range(run.start_epoch, run.epochs):
-        logs = _run_epoch(run, epoch)
+        try:
+            logs = _run_epoch(run, epoch)
+        except PEER_FAILURES as error:
+            # Any collective of the epoch, not only the step's: e.g. reading the metrics'
+            # sync-on-read variables for the logs is an eager all-reduce across workers.
+            if run.cluster is None:
+                raise
+            raise run.lost(error, epoch) from error
         if model.stop_training:
             break
     if run.start_epoch < run.epochs:
