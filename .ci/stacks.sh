@@ -16,7 +16,8 @@
 # Each stage prints its time; a failed stage does not stop the others (the exit code says).
 # STACKS_PHASE=install only makes the environments (steps 1; .ci/run starts that in the
 # background while the locked suite runs), STACKS_PHASE=test only runs steps 2-3 in them;
-# the default, all, does both.
+# the default, all, does both. STACKS_PARTS=unit or STACKS_PARTS=chapters runs only that part of
+# step 2-3 (.ci/run spreads the parts over two lanes); the default, both, runs both.
 # The Pythons: python3.X on PATH (setup-python on GitHub), else pyenv's newest 3.X; override
 # with STACK_PYTHON_<NAME>=/path/to/python.
 set -euo pipefail
@@ -66,6 +67,8 @@ stacks=("$@")
 
 phase=${STACKS_PHASE:-all}
 case "$phase" in all|install|test) ;; *) echo "STACKS_PHASE must be all, install or test, not '$phase'" >&2; exit 2;; esac
+parts=${STACKS_PARTS:-both}
+case "$parts" in both|unit|chapters) ;; *) echo "STACKS_PARTS must be both, unit or chapters, not '$parts'" >&2; exit 2;; esac
 
 if [ "$phase" != test ]; then
     wheels=$(mktemp -d)
@@ -99,12 +102,13 @@ for name in "${stacks[@]}"; do
     [ "$phase" != install ] || continue
     [ -x "$env/bin/python" ] || { echo "$env is missing: run with STACKS_PHASE=install first" >&2; exit 1; }
 
-    stage "$name: unit tests"
-    # -I: neither the current folder nor PYTHONPATH on sys.path; importlib mode: pytest adds no
-    # folder of the checkout either, so `companion` is the installed one (checked after the run).
-    ignores=()
-    for path in "${UNIT_TESTS_SKIP[@]}"; do ignores+=("--ignore=$path"); done
-    "$env/bin/python" -I -c '
+    if [ "$parts" != chapters ]; then
+        stage "$name: unit tests"
+        # -I: neither the current folder nor PYTHONPATH on sys.path; importlib mode: pytest adds no
+        # folder of the checkout either, so `companion` is the installed one (checked after the run).
+        ignores=()
+        for path in "${UNIT_TESTS_SKIP[@]}"; do ignores+=("--ignore=$path"); done
+        "$env/bin/python" -I -c '
 import pathlib, sys, sysconfig
 import pytest
 code = pytest.main(sys.argv[1:])
@@ -114,16 +118,19 @@ if pathlib.Path(sysconfig.get_paths()["purelib"]).resolve() not in where.parents
     sys.exit(f"the tests imported companion from {where}, not from the installed wheel")
 sys.exit(code)
 ' tests -p no:nbval -p no:cacheprovider -o addopts= --import-mode=importlib -q \
-        "${ignores[@]}" ${UNIT_TESTS_MARK:+-m "$UNIT_TESTS_MARK"} || failed+=("$name: unit tests")
-    stage_done "$name: unit tests"
+            "${ignores[@]}" ${UNIT_TESTS_MARK:+-m "$UNIT_TESTS_MARK"} || failed+=("$name: unit tests")
+        stage_done "$name: unit tests"
+    fi
 
-    stage "$name: every chapter, outside the repository"
-    "$env/bin/python" -I "$ROOT/.ci/execute_chapters.py" "$ROOT/book" || failed+=("$name: chapters")
-    stage_done "$name: chapters"
+    if [ "$parts" != unit ]; then
+        stage "$name: every chapter, outside the repository"
+        "$env/bin/python" -I "$ROOT/.ci/execute_chapters.py" "$ROOT/book" || failed+=("$name: chapters")
+        stage_done "$name: chapters"
+    fi
 done
 
 if [ ${#failed[@]} -gt 0 ]; then
     printf '== FAILED: %s\n' "${failed[@]}"
     exit 1
 fi
-if [ "$phase" = install ]; then echo "== every stack installed: ${stacks[*]}"; else echo "== every stack passed: ${stacks[*]}"; fi
+if [ "$phase" = install ]; then echo "== every stack installed: ${stacks[*]}"; else echo "== every stack passed ($parts): ${stacks[*]}"; fi
