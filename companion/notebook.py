@@ -74,7 +74,10 @@ def setup(seed: int = 0, *, deterministic: bool | None = None, perturb_ulp: bool
     ``tf.Variable`` made from a computed value) starts with each finite, non-zero element moved to the
     neighbouring float, up or down at random (seeded by ``seed``, so the perturbed run is
     itself reproducible). Left as they are: exact zeros, infinities and NaNs; integer
-    variables; a variable made from a Python number or a list of them
+    variables; a variable whose every element is a whole number (at most 2**24 in
+    float32: Keras' ``ones`` and ``identity`` initialisers, a loss scale of 2**15), which
+    every CPU computes exactly and a chapter may use to place a model on the point it
+    studies (a random draw is never one); a variable made from a Python number or a list of them
     (``tf.Variable(1.0)``: what the author typed, the same on every CPU and often exactly
     the point a chapter studies; its initial value computed by TensorFlow or NumPy is
     moved); values restored from a checkpoint; and variables created under a
@@ -183,6 +186,11 @@ def _one_ulp_away(value, seed: int, index: int, dtype=None):
     )
     if bits_dtype is None:  # integers, booleans, complex numbers, strings: as they are
         return value
+    # Whole numbers up to 2**digits (Keras' ``ones`` and ``identity``, a loss scale of
+    # 2**15, a count) are exact on every CPU: any order of summation of them gives them
+    # bit for bit, so a variable made only of them is left, as zeros are.
+    digits = {tf.float16: 11, tf.bfloat16: 8, tf.float32: 24, tf.float64: 53}[value.dtype]
+    whole = tf.reduce_all((tf.math.floor(value) == value) & (tf.abs(value) <= 2.0**digits))
     up = tf.random.stateless_uniform(tf.shape(value), seed=[seed, index]) < 0.5
     # The bits of a float, read as a signed integer, grow with its magnitude: +1 moves a
     # positive float up (towards +inf) and a negative one down.
@@ -190,7 +198,7 @@ def _one_ulp_away(value, seed: int, index: int, dtype=None):
     bits = tf.bitcast(value, bits_dtype)
     moved = tf.bitcast(bits + step, value.dtype)
     moved = tf.where(tf.math.is_finite(moved), moved, tf.bitcast(bits - step, value.dtype))  # not past the largest
-    return tf.where(tf.math.is_finite(value) & tf.not_equal(value, 0), moved, value)
+    return tf.where(tf.math.is_finite(value) & tf.not_equal(value, 0) & ~whole, moved, value)
 
 
 def _is_typed_literal(value) -> bool:

@@ -235,6 +235,35 @@ def test_perturb_ulp_moves_every_variable_by_exactly_one_ulp(no_perturb_env):
     assert 0.3 < kernel_up.mean() < 0.7, "the directions are not a random mix of up and down"
 
 
+def test_perturb_ulp_leaves_variables_of_whole_numbers(no_perturb_env):
+    # Keras' ones and identity initialisers and the loss scale of 2**15 are exact on every
+    # CPU; a chapter places a model on the point it studies with them.
+    setup(seed=0, perturb_ulp=True)
+    ones = keras.layers.Dense(3, kernel_initializer="ones")
+    ones.build((None, 2))
+    identity = keras.layers.Dense(3, kernel_initializer="identity")
+    identity.build((None, 3))
+    scaler = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    scaler.build([tf.Variable([1.0, 2.0])])
+    assert (ones.kernel.numpy() == 1).all()
+    np.testing.assert_array_equal(identity.kernel.numpy(), np.eye(3, dtype=np.float32))
+    assert float(scaler.dynamic_scale) == 2.0**15
+    assert (tf.Variable(tf.fill([4], 2.0**24), dtype=tf.float32).numpy() == 2.0**24).all()
+    for dtype in (tf.float16, tf.float64):
+        assert (tf.Variable(tf.ones([4], dtype)).numpy() == 1).all(), dtype
+    # Not whole, or beyond where every whole number is a float: every non-zero element moves.
+    for value in ([1.0, 2.5, 0.0], [2.0**25, 2.0**25, 0.0]):
+        moved = tf.Variable(tf.constant(value)).numpy()
+        typed = np.asarray(value, np.float32)
+        assert _one_ulp_apart(typed[:2], moved[:2]).all() and moved[2] == 0, value
+    single = keras.layers.Dense(1, use_bias=False)  # a random draw of one element moves
+    single.build((None, 1))
+    setup(seed=0)
+    seeded = keras.layers.Dense(1, use_bias=False)
+    seeded.build((None, 1))
+    assert _one_ulp_apart(seeded.kernel.numpy(), single.kernel.numpy()).all()
+
+
 def test_without_perturb_ulp_variables_are_exactly_as_seeded(no_perturb_env):
     setup(seed=0)
     before = _fresh_variables()
@@ -264,7 +293,7 @@ def test_the_perturbed_run_is_itself_reproducible(no_perturb_env):
 def test_the_environment_variable_turns_it_on_unless_the_argument_says(monkeypatch, value, switch, perturbed):
     monkeypatch.setenv(PERTURB_ULP_ENV, value)
     setup(seed=0, perturb_ulp=switch)
-    moved = float(tf.Variable(tf.constant(1.0)).numpy()) != 1.0
+    moved = float(tf.Variable(tf.constant(1.5)).numpy()) != 1.5
     assert moved is perturbed
 
 
@@ -275,8 +304,8 @@ def test_a_value_the_author_typed_is_not_moved(no_perturb_env):
     assert float(tf.Variable(1.0).numpy()) == 1.0 and float(tf.Variable(-50.0).numpy()) == -50.0
     assert tf.Variable([3.0, 4.0]).numpy().tolist() == [3.0, 4.0]
     assert tf.Variable([[0.5], [2.0]]).numpy().tolist() == [[0.5], [2.0]]
-    assert float(tf.Variable(tf.constant(1.0)).numpy()) != 1.0
-    assert float(tf.Variable(np.float32(1.0)).numpy()) != 1.0
+    assert float(tf.Variable(tf.constant(1.5)).numpy()) != 1.5
+    assert float(tf.Variable(np.float32(1.5)).numpy()) != 1.5
 
 
 def test_a_bad_environment_value_or_argument_is_rejected(monkeypatch):
