@@ -392,8 +392,6 @@ print("RESULT " + json.dumps({"skipped": history.skipped, "diagnosis": d and d.t
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="train diagnoses on one device only for now: under several replicas the "
-                   "doctor's re-run broke the replicas' bit-identical skip (issue 20)")
 def test_train_under_mirrored_strategy_names_the_replica_whose_shard_made_the_nan():
     import os
     import subprocess
