@@ -323,7 +323,7 @@ def test_nandoctor_diagnoses_fits_first_nan_restores_the_last_finite_weights_and
     history = model.fit(x, y, batch_size=4, epochs=5, shuffle=False, verbose=0, callbacks=[doctor])
     d = doctor.diagnosis
     assert (d.op, d.layer, d.cause, d.batch) == ("SqrtGrad", "net/root", "singular_derivative", 2)
-    assert doctor.batch == (0, 2)  # its loss was finite; the NaN weights it left showed before batch 3
+    assert doctor.batch == (0, 2)  # its loss was finite; the NaN weights it left made batch 3's loss NaN
     assert len(history.history["loss"]) == 1  # stopped in the first epoch
     assert all(np.isfinite(v.numpy()).all() for v in model.variables)
 

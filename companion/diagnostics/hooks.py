@@ -139,7 +139,9 @@ def _flat(run):
 
 
 def _local_replicas(run) -> int:
-    return max(len(run.strategy.extended.worker_devices), 1)
+    """Replicas on this worker (the strategy's replicas are spread evenly over the workers)."""
+    workers = run.cluster.workers if run.cluster is not None else 1
+    return max(run.strategy.num_replicas_in_sync // max(workers, 1), 1)
 
 
 def _with_replica(found: Diagnosis, run, replica: int, position: int) -> Diagnosis:
