@@ -342,6 +342,24 @@ def test_train_diagnoses_its_first_skipped_step_only(capsys):
     assert SkippedStep.from_dict(json.loads(json.dumps(first.to_dict()))).diagnosis == first.diagnosis
 
 
+def test_the_doctor_leaves_every_variable_and_seed_generator_bit_identical():
+    # Batch normalisation's statistics and dropout's seed generator change in a call
+    # with training=True; the doctor's scans and its op-by-op re-run must undo it.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((1,)), Root(name="root"), keras.layers.BatchNormalization(), keras.layers.Dropout(0.5),
+         keras.layers.Dense(1)], name="net",
+    )
+    model(np.ones((2, 1), "float32"))
+    generators = [v for v in model.non_trainable_variables if "seed_generator" in v.path]
+    assert generators  # the dropout's state is among the variables the doctor restores
+    before = [np.array(v.numpy()).tobytes() for v in model.variables]
+    x, y = poisoned()
+    d = diagnose(model, (x, y), "mse", batch_size=4)
+    assert (d.batch, d.op) == (2, "SqrtGrad")
+    assert [np.array(v.numpy()).tobytes() for v in model.variables] == before
+
+
 def test_train_calls_the_doctor_on_no_step_that_is_not_skipped(monkeypatch):
     from companion.training import loop
 
