@@ -8,9 +8,10 @@ diagnoses it with the model's weights, which a skipped step left unchanged.
 
 The re-run changes nothing: every local copy of every variable of the model and the
 optimizer (batch-normalisation statistics, dropout seed generators, which under a
-distribution strategy differ from replica to replica) is restored afterwards, each to
-its own value (:mod:`companion.diagnostics.state`). Under a distribution strategy each
-local replica's part of the batch is diagnosed on its own, outside the strategy's
+distribution strategy differ from replica to replica) and the states of Keras' and
+TensorFlow's global random generators are restored afterwards, each copy to its own
+value (:mod:`companion.diagnostics.state`). Under a distribution strategy each local
+replica's part of the batch is diagnosed on its own, outside the strategy's
 collectives. With several workers, every worker then joins the same two small
 all-reduces, whatever its own doctor found (or raised): the first says which workers
 found the NaN, the second hands the first such worker's diagnosis to all, so every
@@ -28,6 +29,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from companion import _tf_internals
 from companion.diagnostics.doctor import Diagnosis, diagnose
 from companion.diagnostics.state import preserved
 
@@ -89,7 +91,8 @@ def diagnose_skipped_step(run: Any, step: int) -> Diagnosis | None:
 
 
 def _variables(run) -> list:
-    variables = list(run.model.variables)
+    """What the re-run may move: the model's and optimizer's variables, the global RNGs."""
+    variables = list(run.model.variables) + _tf_internals.global_random_states()
     optimizer = getattr(run, "optimizer", None)
     if optimizer is not None:
         variables += list(getattr(optimizer, "variables", ()))
