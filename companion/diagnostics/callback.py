@@ -98,7 +98,8 @@ class NaNDoctor(keras.callbacks.Callback):
             return all_finite([v for v in values if v.dtype.is_floating])
 
         self._copy = tf.function(copy, autograph=False)
-        self._finite = tf.function(finite, autograph=False)
+        self._finite = tf.function(finite, autograph=False)  # of a copy (tensors: traced once)
+        self._weights_finite = tf.function(lambda: finite([v.value for v in variables]), autograph=False)
         self._fit_data = self.data
         if self._fit_data is None:
             found = _tf_internals.running_fit_arguments(sys._getframe(1))
@@ -114,7 +115,7 @@ class NaNDoctor(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None) -> None:
         # The epoch's last step may have written a NaN that no later batch would see.
-        if not self._done and self._snapshots and not bool(self._finite(list(self.model.variables))):
+        if not self._done and self._snapshots and not bool(self._weights_finite()):
             self._found(self._snapshots[-1][0])
 
     def on_train_batch_end(self, batch, logs=None) -> None:
