@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import math
 import sys
+import weakref
 from typing import Any, Callable
 
 import keras
@@ -89,17 +90,7 @@ class NaNDoctor(keras.callbacks.Callback):
         self._reset()
         self.diagnosis = None
         self.batch = None
-        variables = list(self.model.variables)
-
-        def copy():
-            return [tf.raw_ops.DeepCopy(x=v.value) for v in variables]
-
-        def finite(values):
-            return all_finite([v for v in values if v.dtype.is_floating])
-
-        self._copy = tf.function(copy, autograph=False)
-        self._finite = tf.function(finite, autograph=False)  # of a copy (tensors: traced once)
-        self._weights_finite = tf.function(lambda: finite([v.value for v in variables]), autograph=False)
+        self._copy, self._finite, self._weights_finite = _functions(self.model)
         self._fit_data = self.data
         if self._fit_data is None:
             found = _tf_internals.running_fit_arguments(sys._getframe(1))
@@ -170,3 +161,37 @@ class NaNDoctor(keras.callbacks.Callback):
         if found is None:
             found = diagnose(self.model, data, self.loss, losses_before=self._losses, **kwargs)
         return found
+
+
+#: The compiled copy and checks of each model, kept while its variables are the same, so
+#: that a new NaNDoctor on each ``fit`` call does not trace them again.
+_FUNCTIONS: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _functions(model) -> tuple[Callable, Callable, Callable]:
+    """``(copy(), finite(copies), weights_finite())`` for ``model``'s variables."""
+    variables = list(model.variables)
+    key = tuple(id(v) for v in variables)
+    try:
+        cached = _FUNCTIONS.get(model)
+    except TypeError:  # pragma: no cover - a model that cannot be weakly referenced
+        cached = None
+    if cached is not None and cached[0] == key:
+        return cached[1]
+
+    def copy():
+        return [tf.raw_ops.DeepCopy(x=v.value) for v in variables]
+
+    def finite(values):
+        return all_finite([v for v in values if v.dtype.is_floating])
+
+    functions = (
+        tf.function(copy, autograph=False),
+        tf.function(finite, autograph=False),  # of a copy (tensors: traced once)
+        tf.function(lambda: finite([v.value for v in variables]), autograph=False),
+    )
+    try:
+        _FUNCTIONS[model] = (key, functions)
+    except TypeError:  # pragma: no cover
+        pass
+    return functions
