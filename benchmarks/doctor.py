@@ -13,7 +13,9 @@ k = 20 (one input feature of one row 0, where d sqrt(w x) / dw = 0 * inf):
    without a NaN, where no step is skipped; target <= 1.01;
 3. ``model.fit`` with the :class:`~companion.diagnostics.NaNDoctor` callback against
    ``fit`` with ``keras.callbacks.TerminateOnNaN``, on data without a NaN (the callback
-   copies the weights before every batch; informative, no target).
+   copies the weights before every batch, without waiting for the copy; informative, no
+   target), and, in the same rounds, its previous version, which also checked the
+   weights before every batch and waited for the answer.
 
 As in ``benchmarks/training_overhead.py``, runs alternate in rounds and each ratio is the
 median of the ratios of runs in the same round; the ratio of the fastest runs and of
@@ -163,25 +165,37 @@ def armed_vs_not(repeats: int) -> dict:
     return ratio(wall, cpu, "armed", "disarmed")
 
 
-def callback_cost(repeats: int) -> dict:
+class CheckedEveryBatch(NaNDoctor):
+    """NaNDoctor as it was until issue 20's last change: before each batch it also
+    checked the weights' finiteness and read the answer back (a wait for the device)."""
+
+    def on_train_batch_begin(self, batch, logs=None) -> None:
+        super().on_train_batch_begin(batch, logs)
+        if self._snapshots:
+            bool(self._finite(self._snapshots[-1][1]))
+
+
+def callback_cost(repeats: int) -> tuple[dict, dict]:
     clean = make_data(poisoned=False)
+    callbacks = {
+        "NaNDoctor": NaNDoctor, "checked every batch": CheckedEveryBatch,
+        "TerminateOnNaN": keras.callbacks.TerminateOnNaN,
+    }
     models = {}
-    for key in ("NaNDoctor", "TerminateOnNaN"):
+    for key in callbacks:
         models[key] = make_model()
         models[key].compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse", jit_compile=True)
     runs = {
-        "NaNDoctor": lambda: models["NaNDoctor"].fit(clean, epochs=1, verbose=0, callbacks=[NaNDoctor()]),
-        "TerminateOnNaN": lambda: models["TerminateOnNaN"].fit(
-            clean, epochs=1, verbose=0, callbacks=[keras.callbacks.TerminateOnNaN()]
-        ),
+        key: (lambda key=key: models[key].fit(clean, epochs=1, verbose=0, callbacks=[callbacks[key]()]))
+        for key in callbacks
     }
     for run in runs.values():
         run()
     wall, cpu = rounds(runs, repeats)
-    print(f"\n3. fit on clean data, NaNDoctor / TerminateOnNaN, {repeats} rounds")
+    print(f"\n3. fit on clean data, NaNDoctor (and its previous version) / TerminateOnNaN, {repeats} rounds")
     for key in runs:
-        print(f"  {key:<14} median {statistics.median(wall[key]):7.3f}s  fastest {min(wall[key]):7.3f}s")
-    return ratio(wall, cpu, "NaNDoctor", "TerminateOnNaN")
+        print(f"  {key:<20} median {statistics.median(wall[key]):7.3f}s  fastest {min(wall[key]):7.3f}s")
+    return ratio(wall, cpu, "NaNDoctor", "TerminateOnNaN"), ratio(wall, cpu, "checked every batch", "TerminateOnNaN")
 
 
 def main() -> None:
@@ -195,17 +209,18 @@ def main() -> None:
           f"model of {params:,} parameters, {BATCHES} batches of {BATCH}, NaN in batch {BAD_BATCH}")
     diagnosis = time_to_diagnosis(repeats_diagnosis)
     armed = armed_vs_not(repeats_train)
-    fit_cost = callback_cost(repeats_fit)
+    fit_cost, fit_cost_before = callback_cost(repeats_fit)
     print("\nRatios, lower is better ('wall' is the verdict; 'fastest' and 'CPU' as in training_overhead.py).")
     rows = [
         ("time to diagnosis / one epoch of fit", diagnosis, None),
         ("train, doctor armed / disarmed (clean steps)", armed, 1.01),
         ("fit, NaNDoctor / TerminateOnNaN (clean steps)", fit_cost, None),
+        ("fit, NaNDoctor checking every batch / TerminateOnNaN", fit_cost_before, None),
     ]
     for label, result, target in rows:
         q1, q3 = result["quartiles"]
         verdict = "" if target is None else f" (target <= {target:.2f}x: {'ok' if result['wall'] <= target else 'MISSED'})"
-        print(f"  {label:<48} wall {result['wall']:6.3f}x{verdict}  quartiles {q1:.2f}..{q3:.2f}"
+        print(f"  {label:<54} wall {result['wall']:6.3f}x{verdict}  quartiles {q1:.2f}..{q3:.2f}"
               f"  fastest {result['fastest']:6.3f}x  CPU {result['cpu']:6.3f}x")
     print(f"  time to diagnosis / the {BAD_BATCH + 1} fit steps that reach the NaN: "
           f"{diagnosis['vs_steps_to_nan']:.2f}x")

@@ -7,7 +7,8 @@ Runs are without XLA (to save compile time; the skip logic is the same), except 
 poisoned run and ``--jit``.
 
 - ``main``: a clean run (4 epochs), a run with a NaN in the part of batch 1 that only
-  worker 1 receives, and the same with ``on_nonfinite="raise"``;
+  worker 1 receives, a run whose square root at 0 in worker 1's part of batch 1 the NaN
+  doctor diagnoses, and the NaN run with ``on_nonfinite="raise"``;
 - ``clean``: the clean run only;
 - ``die``: the clean run with ``checkpoint_dir``; worker ``--die-worker`` kills itself
   (SIGKILL, no clean-up) when its input pipeline reaches batch ``--die-at-batch``;
@@ -61,6 +62,18 @@ Y = (X @ np.array([[1.0], [2.0], [-1.0]], "float32")).astype("float32")
 X_POISONED = X.copy()
 X_POISONED[BATCH + 6, 0] = np.nan
 
+X_ROOT = np.linspace(1.0, 2.0, BATCH * BATCHES, dtype="float32")[:, None]
+X_ROOT[BATCH + 6] = 0.0  # the square root's derivative is infinite there: worker 1's part of batch 1
+
+
+class Root(keras.layers.Layer):
+    def build(self, shape):
+        self.w = self.add_weight(shape=(), initializer="ones", name="w")
+
+    def call(self, x):
+        return tf.sqrt(self.w * x)
+
+
 batches_read = []  # global batches this process's input pipeline produced
 
 
@@ -111,6 +124,16 @@ if options.scenario == "main":
     history = train(model, dataset(X_POISONED), loss="mse", optimizer=optimizer, epochs=2, verbose=0)
     result["poisoned"] = {"history": history.to_json(), "weights": weights(model), "xla": history.xla,
                           "iterations": int(optimizer.iterations.numpy())}
+
+    # The NaN doctor: a square root at 0 in the part of batch 1 that only worker 1 receives.
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((1,)), Root(name="root"), keras.layers.Dense(1)], name="net")
+        optimizer = keras.optimizers.SGD(1e-3)
+    history = train(model, tf.data.Dataset.from_tensor_slices((X_ROOT, Y)).batch(BATCH), loss="mse",
+                    optimizer=optimizer, epochs=1, verbose=0, jit_compile=False)
+    result["doctor"] = {"history": history.to_json(), "weights": weights(model),
+                        "iterations": int(optimizer.iterations.numpy())}
 
     model, optimizer = model_and_optimizer()
     try:

@@ -302,3 +302,19 @@ def test_restore_on_create_passes_a_checkpoint_value_that_is_recognised():
     np.testing.assert_array_equal(fresh.v.numpy(), [0.25, 0.5])
     assert not _tf_internals.is_checkpoint_restore(tf.zeros([2]))
     assert not _tf_internals.is_checkpoint_restore(lambda: tf.zeros([2]))
+
+
+def test_the_global_random_states_are_found_and_move_when_drawn_from():
+    import keras
+
+    keras.random.normal((1,))  # creates Keras' global SeedGenerator if needed
+    tf.random.get_global_generator()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", _tf_internals.InternalAPIWarning)
+        states = _tf_internals.global_random_states()
+    assert len(states) == 2
+    before = [np.array(s.numpy()) for s in states]
+    keras.random.normal((1,))
+    tf.random.get_global_generator().normal((1,))
+    after = [np.array(s.numpy()) for s in states]
+    assert all(not np.array_equal(a, b) for a, b in zip(before, after))

@@ -151,6 +151,30 @@ def test_a_nan_on_one_worker_skips_the_step_on_every_worker(two_workers):
 
 
 @pytest.mark.slow
+def test_the_nan_doctor_names_the_worker_whose_shard_made_the_nan_on_every_worker(two_workers):
+    from companion.training import TrainingHistory
+
+    first, second = two_workers[0], two_workers[1]
+    # The doctor runs on every worker and changes nothing: the same weights, history and
+    # diagnosis (bit for bit, as JSON) on both.
+    assert first["doctor"] == second["doctor"]
+    assert first["poisoned"] == second["poisoned"]
+    history = TrainingHistory.from_json(first["doctor"]["history"])
+    assert history.skipped == [1] and first["doctor"]["iterations"] == 8 - 1
+    d = history.reports[0].diagnosis
+    assert (d.worker, d.batch, d.op, d.forward_op, d.layer, d.cause) == (
+        1, 1, "SqrtGrad", "Sqrt", "net/root", "singular_derivative"
+    )
+    assert d.inputs_summary == "worker 1's shard made the NaN; 1 of 4 inputs of Sqrt are exactly 0"
+    assert d.source.rsplit(":", 1)[0].endswith("multiworker_worker.py")
+    assert "tf.sqrt(self.w * x)" in d.code
+    poisoned = TrainingHistory.from_json(first["poisoned"]["history"]).reports[0].diagnosis
+    assert (poisoned.worker, poisoned.batch, poisoned.cause) == (1, 1, "nonfinite_input")
+    assert poisoned.inputs_summary.startswith("worker 1's shard made the NaN; 1 of 12 entries of x")
+    assert TrainingHistory.from_json(first["poisoned"]["history"]).reports[1].diagnosis is None
+
+
+@pytest.mark.slow
 def test_nonfinite_error_is_raised_on_every_worker(two_workers):
     first, second = two_workers[0]["raised"], two_workers[1]["raised"]
     assert first is not None and first == second

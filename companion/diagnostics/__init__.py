@@ -18,8 +18,9 @@ The package, one idea per module: ``gradients`` (per-variable records), ``source
 ``causes`` (the documented causes and how one is recognised), ``data`` (data as
 ``fit`` takes it), ``doctor`` (:func:`diagnose`), ``function``
 (:func:`diagnose_function`), ``report`` (text and HTML), ``callback``
-(:class:`NaNDoctor`) and ``hooks`` (the diagnosis of the first step
-:func:`companion.training.train` skips).
+(:class:`NaNDoctor`), ``state`` (every replica's copy of a variable, saved and
+restored, so the doctor changes nothing) and ``hooks`` (the diagnosis of the first
+step :func:`companion.training.train` skips, under any strategy and on every worker).
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import math
 import sys
+import weakref
 from typing import Any, Callable
 
 import keras
@@ -22,16 +23,17 @@ class NaNDoctor(keras.callbacks.Callback):
     """Diagnose the first batch of ``fit`` whose loss is not finite: one added line.
 
     ``model.fit(x, y, callbacks=[NaNDoctor()])``. After every batch the callback
-    looks at the loss ``fit`` logs. Before each batch it copies the model's weights
-    on their device and checks that they are finite (one compiled call: the doctor's
-    cost on a clean batch, measured by ``benchmarks/doctor.py``). At the first
-    non-finite loss (or the first non-finite weight, which a finite loss with infinite
-    gradients leaves behind) it puts back the weights of the last step whose weights were still
-    finite (``fit`` has applied the non-finite update by then, and a finite loss with
-    NaN gradients shows as a NaN loss one step later), runs :func:`diagnose` on that
-    step's batch (the data ``fit`` was given, in order, or ``data``), prints the
-    :class:`Diagnosis` and, by default, stops training, like
-    :class:`keras.callbacks.TerminateOnNaN`.
+    looks at the loss ``fit`` logs, as :class:`keras.callbacks.TerminateOnNaN` does.
+    Before each batch it copies the model's weights on their device, without waiting
+    for the copy (one compiled call, no check and no transfer to the host: the
+    doctor's cost on a clean batch, measured by ``benchmarks/doctor.py``); it keeps the
+    last two copies. At the first non-finite loss (or, at the end of an epoch, a
+    non-finite weight, which a finite loss with infinite gradients leaves behind) it
+    puts back the newest copy whose weights are all finite (``fit`` has applied the
+    non-finite update by then, and a finite loss with NaN gradients shows as a NaN
+    loss one step later), runs :func:`diagnose` on that step's batch (the data ``fit``
+    was given, in order, or ``data``), prints the :class:`Diagnosis` and, by default,
+    stops training, like :class:`keras.callbacks.TerminateOnNaN`.
 
     Args:
         data: the data to diagnose, as ``fit`` takes it; ``None`` uses the ``x``,
@@ -88,14 +90,7 @@ class NaNDoctor(keras.callbacks.Callback):
         self._reset()
         self.diagnosis = None
         self.batch = None
-        variables = list(self.model.variables)
-
-        def copy():
-            values = [tf.raw_ops.DeepCopy(x=v.value) for v in variables]
-            floats = [v for v in values if v.dtype.is_floating]
-            return values, all_finite(floats)
-
-        self._copy = tf.function(copy, autograph=False)
+        self._copy, self._finite, self._weights_finite = _functions(self.model)
         self._fit_data = self.data
         if self._fit_data is None:
             found = _tf_internals.running_fit_arguments(sys._getframe(1))
@@ -106,19 +101,12 @@ class NaNDoctor(keras.callbacks.Callback):
         self._epoch = epoch
 
     def on_train_batch_begin(self, batch, logs=None) -> None:
-        if self._done:
-            return
-        copies, finite = self._copy()
-        if not bool(finite):
-            # The last step wrote a NaN or Inf into a weight with a finite loss (NaN or
-            # infinite gradients): diagnose that step's batch.
-            self._found(self._snapshots[-1][0] if self._snapshots else batch)
-            return
-        self._snapshots.append((batch, copies))
+        if not self._done:
+            self._snapshots.append((batch, self._copy()))  # asynchronous: nothing is read back
 
     def on_epoch_end(self, epoch, logs=None) -> None:
         # The epoch's last step may have written a NaN that no later batch would see.
-        if not self._done and self._snapshots and not bool(self._copy()[1]):
+        if not self._done and self._snapshots and not bool(self._weights_finite()):
             self._found(self._snapshots[-1][0])
 
     def on_train_batch_end(self, batch, logs=None) -> None:
@@ -138,9 +126,12 @@ class NaNDoctor(keras.callbacks.Callback):
             self.model.stop_training = True
 
     def _diagnose(self, batch: int) -> None:
-        current, _ = self._copy()
-        # The newest snapshot is the last one whose weights were all finite.
-        step, values = self._snapshots[-1] if self._snapshots else (batch, current)
+        current = self._copy()
+        # The newest snapshot whose weights are all finite (the one before a step that
+        # wrote a NaN with a finite loss, whose NaN loss shows one step later).
+        finite = [(step, values) for step, values in self._snapshots if bool(self._finite(values))]
+        step, values = finite[-1] if finite else (batch, current)
+        self.batch = (self._epoch, step)
         for variable, value in zip(self.model.variables, values):
             variable.assign(value)
         try:
@@ -170,3 +161,37 @@ class NaNDoctor(keras.callbacks.Callback):
         if found is None:
             found = diagnose(self.model, data, self.loss, losses_before=self._losses, **kwargs)
         return found
+
+
+#: The compiled copy and checks of each model, kept while its variables are the same, so
+#: that a new NaNDoctor on each ``fit`` call does not trace them again.
+_FUNCTIONS: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _functions(model) -> tuple[Callable, Callable, Callable]:
+    """``(copy(), finite(copies), weights_finite())`` for ``model``'s variables."""
+    variables = list(model.variables)
+    key = tuple(id(v) for v in variables)
+    try:
+        cached = _FUNCTIONS.get(model)
+    except TypeError:  # pragma: no cover - a model that cannot be weakly referenced
+        cached = None
+    if cached is not None and cached[0] == key:
+        return cached[1]
+
+    def copy():
+        return [tf.raw_ops.DeepCopy(x=v.value) for v in variables]
+
+    def finite(values):
+        return all_finite([v for v in values if v.dtype.is_floating])
+
+    functions = (
+        tf.function(copy, autograph=False),
+        tf.function(finite, autograph=False),  # of a copy (tensors: traced once)
+        tf.function(lambda: finite([v.value for v in variables]), autograph=False),
+    )
+    try:
+        _FUNCTIONS[model] = (key, functions)
+    except TypeError:  # pragma: no cover
+        pass
+    return functions

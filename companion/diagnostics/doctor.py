@@ -31,6 +31,8 @@ from companion.diagnostics.data import Replay, batches, nonfinite_data
 from companion.diagnostics.gradients import _variable_path
 from companion.diagnostics.locate import dtype_name
 from companion.diagnostics.sources import source_text
+from companion.diagnostics.state import restore as _restore
+from companion.diagnostics.state import snapshot
 from companion.diagnostics.trace import OpTracer, eager_trace, nonfinite_mask
 from companion.losses import mean_loss, resolve_loss
 
@@ -242,13 +244,8 @@ def diagnose(
 
 
 def _state(model):
-    state = list(model.non_trainable_variables)
-    return state, [tf.identity(v.value) for v in state]
-
-
-def _restore(state) -> None:
-    for variable, value in zip(*state):
-        variable.assign(value)
+    """Every local copy of the model's non-trainable variables (see :mod:`.state`)."""
+    return snapshot(model.non_trainable_variables)
 
 
 def _ensure_built(model, x) -> None:

@@ -14,6 +14,7 @@ import keras
 import tensorflow as tf
 
 from companion._gradients import gradient_values
+from companion.diagnostics.state import restore, snapshot
 from companion.losses import mean_loss, resolve_loss
 
 __all__ = [
@@ -267,8 +268,7 @@ def nonfinite_gradients(model: keras.layers.Layer, loss: Callable | str, batch: 
     variables = list(model.trainable_variables)
     if not variables:
         raise ValueError(f"model {model.name!r} has no trainable variables")
-    state = list(model.non_trainable_variables)
-    saved = [tf.identity(v.value) for v in state]
+    saved = snapshot(model.non_trainable_variables)  # every replica's copy, each restored to itself
     try:
         with tf.GradientTape() as tape:
             y_pred = model(x, training=True)
@@ -277,8 +277,7 @@ def nonfinite_gradients(model: keras.layers.Layer, loss: Callable | str, batch: 
                 value = value + tf.cast(tf.add_n(model.losses), value.dtype)
         gradients = tape.gradient(value, variables)
     finally:
-        for v, s in zip(state, saved):
-            v.assign(s)
+        restore(saved)
     nan_counts, inf_counts, max_abs = _gradient_statistics(gradients)
     return _records(
         variables,

@@ -364,14 +364,9 @@ def _record(run: Run, out: dict[str, np.ndarray], epoch: int, applied_losses: li
             SkippedStep(
                 step=index, epoch=epoch, loss=step_loss, gradients=GradientReport(records), loss_scale=scale,
                 grad_norm=history.grad_norm[-1],
-                # The NaN doctor, once per run: on the first skipped step only, and on one
-                # device only for now (under several replicas or workers its re-run moved
-                # the replicas' state apart: issue 20 stays open for it).
-                diagnosis=(
-                    None
-                    if history.reports or run.cluster is not None or run.strategy.num_replicas_in_sync > 1
-                    else diagnose_skipped_step(run, index)
-                ),
+                # The NaN doctor, once per run: on the first skipped step only (on every
+                # worker: the hook's exchange is a collective every worker must join).
+                diagnosis=None if history.reports else diagnose_skipped_step(run, index),
             )
         )
 

@@ -70,6 +70,9 @@ class SkippedStep:
         diagnosis: on the first skipped step of a run, the NaN doctor's
             :class:`~companion.diagnostics.Diagnosis` of its batch (op, layer, line,
             cause, fix); ``None`` on the others, or if the NaN did not reproduce.
+            Under several replicas its ``inputs_summary`` names the replica whose
+            part of the batch made the NaN; with several workers every worker records
+            the same diagnosis, whose ``worker`` is the worker whose shard made it.
     """
 
     step: int
