@@ -21,7 +21,8 @@ import sys
 import threading
 from typing import Sequence
 
-__all__ = ["BOOK_COLORS", "BOOK_STYLE", "PERTURB_ULP_ENV", "TABLE_STYLE", "Table", "html_table", "setup"]
+__all__ = ["BOOK_COLORS", "BOOK_STYLE", "HEADER_WIDTH", "PERTURB_ULP_ENV", "TABLE_STYLE", "Table", "html_table",
+           "setup"]
 
 #: The environment variable that turns on :func:`setup`'s ``perturb_ulp`` ("1" on, "0" or
 #: unset off): ``COMPANION_PERTURB_ULP=1 python -m pytest book`` re-runs every chapter
@@ -445,7 +446,8 @@ def html_table(
     scalars count as the Python number they hold. Every table has the book's one style
     (:data:`TABLE_STYLE`, inline, so Jupyter and Colab show it too): padding and rules
     between cells, numbers right-aligned in tabular figures, long column names broken
-    into a few balanced lines.
+    into a few balanced lines, shorter ones the more columns there are
+    (:data:`HEADER_WIDTH`).
 
     Args:
         rows: a sequence of rows, each a sequence of cells, all of the same length.
