@@ -206,7 +206,7 @@ def tilted_mean(x, name: str | None = None) -> tf.Tensor:
     .. code-block:: none
 
         tilted_mean(x) = 1 / (1 - exp(-x)) - 1/x,    tilted_mean(0) = 1/2
-                       = 1/2 + L(x/2) / 2            (L: the Langevin function coth(y) - 1/y)
+                       = 1/2 + L(x/2) / 2,           L(y) = coth(y) - 1/y (Langevin)
 
     f increases from f(-inf) = 0 to f(inf) = 1, f(-x) = 1 - f(x), and its derivative
     f'(x) = 1/x^2 - 1 / (4 sinh^2(x/2)) is even, with f'(0) = 1/12. It is the f of case B
@@ -235,7 +235,8 @@ def tilted_mean(x, name: str | None = None) -> tf.Tensor:
 
     .. code-block:: none
 
-        f(-t) = 1/t - 1/expm1(t),    f(t) = 1 - f(-t),    f'(x) = 1/x^2 - r (1 + r),  r = 1/expm1(t)
+        f(-t) = 1/t - 1/expm1(t),    f(t) = 1 - f(-t),
+        f'(x) = 1/x^2 - r (1 + r),   r = 1/expm1(t)
 
     where r = 1/expm1(t) is at most 7.5% of 1/t: with both terms rounded (relative error
     u each), cancellation amplifies the rounding error of the value by at most

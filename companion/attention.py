@@ -78,9 +78,10 @@ def scaled_dot_product_attention(
         ValueError: if the last dimensions of ``query`` and ``key`` differ.
 
     Example:
-        >>> q = tf.ones([1, 2, 4]); k = tf.ones([1, 3, 4]); v = tf.reshape(tf.range(6.0), [1, 3, 2])
+        >>> q, k = tf.ones([1, 2, 4]), tf.ones([1, 3, 4])
+        >>> v = tf.reshape(tf.range(6.0), [1, 3, 2])
         >>> mask = tf.constant([[[True, False, True], [False, False, False]]])
-        >>> scaled_dot_product_attention(q, k, v, mask).numpy()  # the second row sees nothing
+        >>> scaled_dot_product_attention(q, k, v, mask).numpy()  # row 2 sees nothing
         array([[[2., 3.],
                 [0., 0.]]], dtype=float32)
     """

@@ -71,10 +71,11 @@ def check_keras_loss_shapes(loss, y_true, y_pred) -> None:
             targets (e.g. targets ``(batch, 2)`` against predictions ``(batch, 1)``).
 
     Example:
-        >>> check_keras_loss_shapes("mse", tf.TensorSpec([None]), tf.TensorSpec([None, 1]))  # aligned by Keras
-        >>> check_keras_loss_shapes("mse", tf.TensorSpec([None, 2]), tf.TensorSpec([None, 1]))
+        >>> spec = tf.TensorSpec
+        >>> check_keras_loss_shapes("mse", spec([None]), spec([None, 1]))  # aligned by Keras
+        >>> check_keras_loss_shapes("mse", spec([None, 2]), spec([None, 1]))
         Traceback (most recent call last):
-        ValueError: prediction shape (None, 1) does not match target shape (None, 2): ...
+        ValueError: prediction shape (None, 1) does not match target shape (None, 2)...
     """
     loss = resolve_loss(loss) if isinstance(loss, str) else loss
     if _is_keras_loss(loss):
@@ -155,7 +156,8 @@ def mean_loss(loss: Callable, y_true: Any, y_pred: Any) -> tf.Tensor:
         TypeError: if the loss returns something that is not a floating-point tensor.
 
     Example:
-        >>> float(mean_loss(resolve_loss("mse"), tf.constant([[1.0], [3.0]]), tf.constant([[0.0], [0.0]])))
+        >>> y_true, y_pred = tf.constant([[1.0], [3.0]]), tf.constant([[0.0], [0.0]])
+        >>> float(mean_loss(resolve_loss("mse"), y_true, y_pred))
         5.0
     """
     y_pred = tf.nest.map_structure(

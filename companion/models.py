@@ -98,8 +98,9 @@ class ParameterNet(keras.Model):
     .. code-block:: none
 
         a = 1 + raw_a        d = 1/K + raw_d
-        b = 1 + raw_b        c = 1 + raw_c                        (fixes=())
-        b = bounded(raw_b + bounded_inverse(1, *b_range), *b_range)   ("bounded_exponents")
+        b = 1 + raw_b        c = 1 + raw_c                              (fixes=())
+        b = bounded(raw_b + bounded_inverse(1, *b_range), *b_range)
+                                                        ("bounded_exponents")
 
     so at initialisation ``b = c = 1`` (to rounding) for every input (each term is linear,
     and the terms differ through ``a`` and ``d``, which breaks their symmetry), and

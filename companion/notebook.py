@@ -21,7 +21,8 @@ import sys
 import threading
 from typing import Sequence
 
-__all__ = ["BOOK_COLORS", "BOOK_STYLE", "PERTURB_ULP_ENV", "TABLE_STYLE", "Table", "html_table", "setup"]
+__all__ = ["BOOK_COLORS", "BOOK_STYLE", "HEADER_WIDTH", "PERTURB_ULP_ENV", "TABLE_STYLE", "Table", "html_table",
+           "setup"]
 
 #: The environment variable that turns on :func:`setup`'s ``perturb_ulp`` ("1" on, "0" or
 #: unset off): ``COMPANION_PERTURB_ULP=1 python -m pytest book`` re-runs every chapter
@@ -307,25 +308,70 @@ def _is_numeric(text: str) -> bool:
     return True
 
 
+#: How many characters of column names a table's header may hold side by side, about what
+#: the book's text column shows at a table's type size (0.85 of the text's, 740 px at a
+#: window 1280 px wide). A table of many columns breaks its names into shorter lines, so
+#: that its header is no wider than the page (tests/test_browser.py measures it).
+HEADER_WIDTH = 90
+
+
+def _header_line_length(columns: int) -> int:
+    """The longest line a column name gets in a table of ``columns`` columns: 10 to 20."""
+    return max(10, min(20, HEADER_WIDTH // max(1, columns)))
+
+
+#: Words a column name never breaks around: a relation stays with both its sides ("x = -2").
+_RELATIONS = frozenset({"=", "<", ">", "<=", ">=", "≤", "≥", "≈", "!="})
+
+
+def _header_lines(name: str, longest_line: int = 20) -> list[str]:
+    """``name`` cut at spaces into ``ceil(len / longest_line)`` lines, the longest as short as can be.
+
+    A relation (``=``, ``<``, ...) and the words either side of it stay on one line.
+    """
+    words: list[str] = []
+    bind_next = False
+    for word in name.split():
+        if words and (bind_next or word in _RELATIONS):
+            words[-1] += " " + word
+        else:
+            words.append(word)
+        bind_next = word in _RELATIONS
+    if not words:
+        return []
+    count = min(len(words), max(1, math.ceil(len(name) / longest_line)))
+    # best[i, k]: (longest line, cut points) of the best split of words[i:] into k lines.
+    best: dict[tuple[int, int], tuple[int, tuple[int, ...]]] = {}
+    for k in range(1, count + 1):
+        for i in range(len(words) - k, -1, -1):
+            if k == 1:
+                best[i, k] = (len(" ".join(words[i:])), (len(words),))
+                continue
+            # Of equally good splits, the one with the fuller first lines ("value at | x = 0").
+            best[i, k] = min(
+                ((max(len(" ".join(words[i:cut])), best[cut, k - 1][0]), (cut, *best[cut, k - 1][1]))
+                 for cut in range(i + 1, len(words) - k + 2)),
+                key=lambda option: (option[0], [-cut for cut in option[1]]),
+            )
+    lines, start = [], 0
+    for cut in best[0, count][1]:
+        lines.append(" ".join(words[start:cut]))
+        start = cut
+    return lines
+
+
 def _header_html(name: str, longest_line: int = 20) -> str:
     """A column name, escaped, that breaks into a few balanced lines, never a word a line.
 
-    Names up to ``longest_line`` characters stay on one line; longer ones are cut into
-    ``ceil(len / longest_line)`` lines of about equal length, with non-breaking spaces
-    inside each line, so a narrow column cannot stack the name one word a line.
+    Names up to ``longest_line`` characters stay on one line; longer ones are cut at
+    spaces into ``ceil(len / longest_line)`` lines whose longest is as short as it can
+    be, with non-breaking spaces inside each line, so a narrow column cannot stack the
+    name one word a line.
     """
-    words = name.split()
-    if not words:
+    lines = _header_lines(name, longest_line)
+    if not lines:
         return html.escape(name)
-    lines_wanted = max(1, math.ceil(len(name) / longest_line))
-    target = math.ceil(len(name) / lines_wanted)
-    lines: list[list[str]] = [[]]
-    for word in words:
-        current = " ".join(lines[-1])
-        if lines[-1] and len(current) + 1 + len(word) > target and len(lines) < lines_wanted:
-            lines.append([])
-        lines[-1].append(word)
-    return " ".join("&nbsp;".join(html.escape(word) for word in line) for line in lines)
+    return " ".join("&nbsp;".join(html.escape(word) for word in line.split(" ")) for line in lines)
 
 
 class Table:
@@ -360,8 +406,10 @@ class Table:
         if self.caption is not None:
             lines.append(f'<caption style="{TABLE_STYLE["caption"]}">{html.escape(self.caption)}</caption>')
         if self.header:
+            longest_line = _header_line_length(columns)
             cells = "".join(
-                f'<th style="{TABLE_STYLE["th"]}; text-align: {"right" if numeric else "left"}">{_header_html(h)}</th>'
+                f'<th style="{TABLE_STYLE["th"]}; text-align: {"right" if numeric else "left"}">'
+                f"{_header_html(h, longest_line)}</th>"
                 for h, numeric in zip(self.header, numeric_column)
             )
             lines.append(f"<thead><tr>{cells}</tr></thead>")
@@ -406,7 +454,8 @@ def html_table(
     scalars count as the Python number they hold. Every table has the book's one style
     (:data:`TABLE_STYLE`, inline, so Jupyter and Colab show it too): padding and rules
     between cells, numbers right-aligned in tabular figures, long column names broken
-    into a few balanced lines.
+    into a few balanced lines, shorter ones the more columns there are
+    (:data:`HEADER_WIDTH`).
 
     Args:
         rows: a sequence of rows, each a sequence of cells, all of the same length.

@@ -352,8 +352,10 @@ def signed_pow(x, p, name: str | None = None) -> tf.Tensor:
         >>> with tf.GradientTape() as tape:
         ...     tape.watch(x)
         ...     y = signed_pow(x, 1.0 / 3.0)
-        >>> y.numpy().round(4), tape.gradient(y, x).numpy().round(4)
-        (array([-2.,  0.,  2.], dtype=float32), array([0.0833, 0.    , 0.0833], dtype=float32))
+        >>> y.numpy().round(4)
+        array([-2.,  0.,  2.], dtype=float32)
+        >>> tape.gradient(y, x).numpy().round(4)
+        array([0.0833, 0.    , 0.0833], dtype=float32)
     """
     return _power(x, p, signed=True, name=name or "signed_pow")
 
@@ -363,7 +365,8 @@ def log_exp_pow(x, p, eps: float = 1e-6, name: str | None = None) -> tf.Tensor:
 
     .. code-block:: none
 
-        log_exp_pow(x, p) = exp(p log(max(x, eps)))  =  x^p for x >= eps,   eps^p for x < eps
+        log_exp_pow(x, p) = exp(p log(max(x, eps)))
+                          = x^p for x >= eps,   eps^p for x < eps
 
     Kept so that the book can measure what it costs; use `safe_pow` or `signed_pow`
     instead. Its gradients are finite at 0 (``max`` sends the gradient to ``eps``, so
@@ -397,7 +400,8 @@ def log_exp_pow(x, p, eps: float = 1e-6, name: str | None = None) -> tf.Tensor:
         ValueError: if ``eps`` is not a positive finite number.
 
     Example:
-        >>> log_exp_pow(tf.constant([-1.0, 0.0, 4.0]), 0.1).numpy().round(4)  # x^0.1 is 0 at 0
+        >>> x = tf.constant([-1.0, 0.0, 4.0])
+        >>> log_exp_pow(x, 0.1).numpy().round(4)  # x^0.1 is 0 at 0
         array([0.2512, 0.2512, 1.1487], dtype=float32)
     """
     if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating, np.integer)):
@@ -480,7 +484,8 @@ def bounded_inverse(value, low: float, high: float, name: str | None = None) -> 
 
     .. code-block:: none
 
-        bounded_inverse(v, low, high) = logit((v - low) / (high - low)) = log(v - low) - log(high - v)
+        bounded_inverse(v, low, high) = logit((v - low) / (high - low))
+                                      = log(v - low) - log(high - v)
 
     Use it to make a bounded parameter start at a chosen value, e.g. an exponent at
     ``b = 1``: initialise ``b_raw`` to ``bounded_inverse(1.0, 0.1, 2.0)`` (= -0.1054).

@@ -46,7 +46,8 @@ class SkipNonFinite(keras.optimizers.Optimizer):
 
     Example:
         >>> model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
-        >>> model.compile(optimizer=SkipNonFinite(keras.optimizers.SGD(0.1)), loss="mse")
+        >>> optimizer = SkipNonFinite(keras.optimizers.SGD(0.1))
+        >>> model.compile(optimizer=optimizer, loss="mse")
         >>> x = np.array([[1.0], [np.nan]], "float32")
         >>> _ = model.fit(x, x, batch_size=1, shuffle=False, verbose=0)
         >>> int(model.optimizer.skipped_steps), int(model.optimizer.iterations)

@@ -102,7 +102,8 @@ def run_until_nonfinite(
         >>> keras.utils.set_random_seed(0)
         >>> net = models.ParameterNet(num_terms=1, d_model=4, num_heads=1, fixes=())
         >>> batches = list(targets.dataset("sqrt", batches=2, batch_size=4, seed=0))
-        >>> run = run_until_nonfinite(net, batches, keras.optimizers.Adam(1e-2), max_steps=5)
+        >>> adam = keras.optimizers.Adam(1e-2)
+        >>> run = run_until_nonfinite(net, batches, adam, max_steps=5)
         >>> run.step, run.steps, run.smallest_exponent[0]  # fails once b is below 1
         (1, 2, 1.0)
     """
@@ -177,7 +178,8 @@ def learning_rate_sweep(
     Example:
         >>> from companion import models, targets
         >>> batches = list(targets.dataset("sqrt", batches=2, batch_size=4, seed=0))
-        >>> build = lambda: models.ParameterNet(num_terms=1, d_model=4, num_heads=1, fixes=())
+        >>> def build():
+        ...     return models.ParameterNet(num_terms=1, d_model=4, num_heads=1, fixes=())
         >>> runs = learning_rate_sweep(build, batches, [1e-2, 1e-3], max_steps=5)
         >>> {lr: run.step for lr, run in runs.items()}
         {0.01: 1, 0.001: 1}

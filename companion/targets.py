@@ -185,7 +185,7 @@ def sample(
 
     Example:
         >>> xs, ys = sample("sqrt", batch_size=4, n=8, seed=0)
-        >>> xs.shape, ys.dtype, float(xs[:, 0].max())  # every function is sampled at x = 0
+        >>> xs.shape, ys.dtype, float(xs[:, 0].max())  # every sample holds x = 0
         ((4, 8, 1), dtype('float32'), 0.0)
     """
     spec = _family(family)

@@ -142,8 +142,8 @@ def colab_cell_source(url: str | None = None, version: str | None = None) -> str
     # The release goes through a variable (IPython expands {release} in the magic's line)
     # so that no line of the cell is wider than the book's 88 characters.
     return (
-        "# Installs the companion package, at the version this book was built with, where it\n"
-        "# is missing (Colab, Kaggle, Binder, a downloaded notebook). Installs nothing otherwise.\n"
+        "# Installs companion, at the version this book was built with, where it is\n"
+        "# missing (Colab, Kaggle, Binder, a downloaded notebook); nothing otherwise.\n"
         "import importlib.util\n"
         "\n"
         f"if {COLAB_MARKER}:\n"

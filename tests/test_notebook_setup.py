@@ -154,7 +154,40 @@ def test_long_column_names_break_into_a_few_balanced_lines_never_a_word_a_line(n
     lines = [html.unescape(line) for line in _header_html(name).split(" ")]  # breaks only at plain spaces
     assert " ".join(line.replace("\xa0", " ") for line in lines) == name
     assert len(lines) == max(1, math.ceil(len(name) / 20)) if len(name) > 20 else lines == [name.replace(" ", "\xa0")]
-    assert all(len(line) <= 20 for line in lines) and (len(lines) == 1 or all(" " in line or "\xa0" in line for line in lines))
+    never_a_word_a_line = len(lines) == 1 or any(" " in line or "\xa0" in line for line in lines)
+    assert all(len(line) <= 20 for line in lines) and never_a_word_a_line
+
+
+@pytest.mark.parametrize(("name", "longest_line", "lines"), [
+    ("value at x = 0", 10, ["value at", "x = 0"]),  # the relation keeps x = 0 whole
+    ("fit at x = 0 (d = 1)", 10, ["fit at x = 0", "(d = 1)"]),
+    ("every exponent above 1 after step 0", 12, ["every exponent", "above 1", "after step 0"]),
+    ("rows with one > 0.99, unscaled", 12, ["rows with", "one > 0.99,", "unscaled"]),
+])
+def test_column_names_break_where_the_longest_line_is_shortest_and_never_inside_a_relation(
+        name, longest_line, lines):
+    from companion.notebook import _header_lines
+
+    assert _header_lines(name, longest_line) == lines
+
+
+def test_a_table_of_many_columns_breaks_its_names_into_shorter_lines():
+    # Eleven columns of "d/dx at x = -2" would be 11 x 14 characters wide on one line each:
+    # wider than the book's text column (tests/test_browser.py measures the page).
+    import html
+    import re
+
+    from companion.notebook import HEADER_WIDTH, html_table
+
+    names = ["power", "b"] + [f"{what} at x = {x}" for what in ("value", "d/dx", "d/db") for x in (-2, 0, 2)]
+    page = html_table([["safe_pow", 0.5] + [0.0] * 9], names)._repr_html_()
+    headers = [html.unescape(text) for _, text in _cells(page, "th")]
+    assert [h.replace("\xa0", " ") for h in headers] == names
+    lines = [line for h in headers for line in re.split(" ", h)]
+    assert max(len(line) for line in lines) <= max(10, HEADER_WIDTH // len(names)) < 14
+    assert "d/dx\xa0at x\xa0=\xa0-2" in headers  # "d/dx at" over "x = -2"
+    few = html_table([[1.0, 2.0]], ["d/dx at x = -2", "b"])._repr_html_()
+    assert "d/dx&nbsp;at&nbsp;x&nbsp;=&nbsp;-2</th>" in few  # two columns: one line
 
 
 def test_html_table_escapes_text():

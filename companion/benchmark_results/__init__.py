@@ -59,9 +59,9 @@ class BenchmarkResult:
         """The CPU and the oneDNN setting, e.g. ``"AMD EPYC, oneDNN off"``: how results differ.
 
         Example:
-            >>> BenchmarkResult.from_document(
-            ...     {"benchmark": "b", "cpu": "AMD EPYC", "onednn": {"enabled": False}, "ratios": []}
-            ... ).setting
+            >>> BenchmarkResult.from_document({
+            ...     "benchmark": "b", "cpu": "AMD EPYC", "onednn": {"enabled": False}, "ratios": [],
+            ... }).setting
             'AMD EPYC, oneDNN off'
         """
         onednn = {True: "oneDNN on", False: "oneDNN off", None: "oneDNN not recorded"}[self.onednn]
@@ -83,8 +83,9 @@ class BenchmarkResult:
                 ``label``, ``ratio`` or ``target``.
 
         Example:
+            >>> ratio = {"label": "x / y", "ratio": 1.2, "target": 1.5}
             >>> result = BenchmarkResult.from_document(
-            ...     {"benchmark": "b", "machine": "m", "ratios": [{"label": "x / y", "ratio": 1.2, "target": 1.5}]}
+            ...     {"benchmark": "b", "machine": "m", "ratios": [ratio]}
             ... )
             >>> result.cpu, result.ratios[0]["met"], result.ratios[0]["q1"]
             ('m', True, 1.2)

@@ -55,7 +55,8 @@ class NaNDoctor(keras.callbacks.Callback):
         >>> model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
         >>> model.compile(loss=lambda y, p: tf.math.log(p - p), optimizer="sgd")
         >>> doctor = NaNDoctor(verbose=False)
-        >>> _ = model.fit(np.ones((4, 1)), np.ones((4, 1)), batch_size=2, verbose=0, callbacks=[doctor])
+        >>> x = np.ones((4, 1))
+        >>> _ = model.fit(x, x, batch_size=2, verbose=0, callbacks=[doctor])
         >>> doctor.diagnosis.cause, doctor.diagnosis.op, doctor.diagnosis.phase
         ('log_of_zero', 'Log', 'loss')
     """

@@ -55,7 +55,8 @@ def diagnose_function(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Diag
         ...     with tf.GradientTape() as tape:
         ...         loss = tf.reduce_sum(tf.sqrt(w * x))
         ...     return tape.gradient(loss, w)
-        >>> d = diagnose_function(tf.function(step, jit_compile=True), tf.constant([0.0, 4.0]))
+        >>> compiled = tf.function(step, jit_compile=True)
+        >>> d = diagnose_function(compiled, tf.constant([0.0, 4.0]))
         >>> d.phase, d.op, d.forward_op, d.cause
         ('backward', 'SqrtGrad', 'Sqrt', 'singular_derivative')
     """

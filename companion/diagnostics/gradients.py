@@ -251,7 +251,8 @@ def nonfinite_gradients(model: keras.layers.Layer, loss: Callable | str, batch: 
             have incompatible shapes.
 
     Example:
-        >>> model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, name="head")], name="net")
+        >>> head = keras.layers.Dense(1, name="head")
+        >>> model = keras.Sequential([keras.Input((1,)), head], name="net")
         >>> batch = (tf.constant([[float("nan")]]), tf.constant([[0.0]]))
         >>> report = nonfinite_gradients(model, "mse", batch)
         >>> [r.path for r in report.nonfinite]

@@ -178,8 +178,8 @@ def train(
         >>> model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
         >>> x = np.array([[1.0], [2.0], [np.nan], [4.0]], "float32")
         >>> data = tf.data.Dataset.from_tensor_slices((x, 2 * x)).batch(1)
-        >>> history = train(model, data, loss="mse", optimizer=keras.optimizers.SGD(0.01),
-        ...                 epochs=2, verbose=0)
+        >>> sgd = keras.optimizers.SGD(0.01)
+        >>> history = train(model, data, loss="mse", optimizer=sgd, epochs=2, verbose=0)
         >>> history.skipped
         [2, 6]
     """
