@@ -287,19 +287,11 @@ return {page: {scroll: root.scrollWidth, client: root.clientWidth}, blocks};
 """
 
 
-# What still scrolls sideways (issue 22): tables whose committed output predates the header
-# rule of companion.notebook.html_table (a table of many columns breaks its names into
-# lines of HEADER_WIDTH // columns characters); re-executing their chapters removes them.
-# Each is named by page and block; a block not listed here fails the test, and so does a
-# listed one that fits, so the list can only shrink.
+# What may still scroll sideways, by page and block ("book/x.ipynb: table 5"): nothing
+# (issue 22 emptied it). A block that scrolls fails the test unless it is listed here, and
+# a listed one that fits fails it too, so the list can only shrink.
 KNOWN_OVERFLOWS = {
-    1280: {
-        "book/case_a/reproduce.ipynb: table 5",
-        "book/case_a/log_exp_power.ipynb: table 0",
-        "book/case_a/log_exp_power.ipynb: table 1",
-        "book/case_a/log_exp_power.ipynb: table 4",
-        "book/case_a/bounded_exponents.ipynb: table 1",
-    },
+    1280: set(),
     390: set(),
 }
 
