@@ -63,5 +63,6 @@ def test_ci_runs_the_stacks_after_the_locked_suite():
     assert ci.index("python -m pytest") < ci.index("STACKS_PHASE=test STACKS_PARTS=")
     assert ci.index("STACKS_PHASE=install bash .ci/stacks.sh") < ci.index("STACKS_PHASE=test STACKS_PARTS=")
     # Every part of every stack, whichever lane runs it.
-    assert "STACKS_PHASE=test STACKS_PARTS=unit bash .ci/stacks.sh colab oldest" in ci
+    assert "STACKS_PHASE=test STACKS_PARTS=unit bash .ci/stacks.sh colab" in ci
+    assert "STACKS_PHASE=test STACKS_PARTS=unit bash .ci/stacks.sh oldest" in ci
     assert "STACKS_PHASE=test STACKS_PARTS=chapters bash .ci/stacks.sh colab oldest" in ci
