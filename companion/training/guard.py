@@ -36,6 +36,7 @@ The design is derived in the chapter *The guarded training loop*.
 
 from __future__ import annotations
 
+import functools
 import threading
 import types
 import warnings
@@ -49,6 +50,7 @@ import tensorflow as tf
 from companion import _tf_internals
 from companion._gradients import global_norm, nonfinite_counts, scale_gradient
 from companion.diagnostics import GradientRecord, GradientReport
+from companion.diagnostics.hooks import diagnose_skipped_step
 from companion.training.masking import UnmaskableUpdate, masked_writes
 from companion.training.results import NonFiniteError, SkippedStep, TrainingHistory
 
@@ -418,6 +420,31 @@ class GuardedStep:
 _CACHE: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
+class DoctorView:
+    """What :func:`companion.diagnostics.hooks.diagnose_skipped_step` reads of a run.
+
+    Args:
+        model: the model being trained.
+        strategy: its distribution strategy.
+        history: the run's :class:`TrainingHistory` (``epoch_steps`` locates the batch).
+        replay: a function returning an epoch's batches in ``fit``'s order (see
+            :func:`companion.training.inputs.replay_batches`) or ``None``; called once,
+            at the first skipped step, as :attr:`distributed`.
+        cluster: the :class:`~companion.training.cluster.Cluster`, or ``None``.
+        verbose: whether the diagnosis is printed.
+    """
+
+    def __init__(self, model, strategy, history, replay, cluster=None, *, verbose: bool = False) -> None:
+        self.model, self.strategy, self.history, self.cluster = model, strategy, history, cluster
+        self.verbose = verbose
+        self._replay = replay
+
+    @functools.cached_property
+    def distributed(self):
+        """An epoch's batches, or ``None`` if the inputs cannot be read again."""
+        return self._replay()
+
+
 def model_cache(model) -> dict:
     try:
         return _CACHE.setdefault(model, {})
@@ -433,9 +460,13 @@ class GuardCallback(keras.callbacks.Callback):
     scale stalls.
     """
 
-    def __init__(self, step: GuardedStep, history: TrainingHistory, *, on_nonfinite: str, limit: int) -> None:
+    def __init__(
+        self, step: GuardedStep, history: TrainingHistory, *, on_nonfinite: str, limit: int,
+        doctor: DoctorView | None = None,
+    ) -> None:
         super().__init__()
         self.step = step
+        self.doctor = doctor
         self.training_history = history
         self.on_nonfinite = on_nonfinite
         self.limit = limit
@@ -485,8 +516,19 @@ class GuardCallback(keras.callbacks.Callback):
                 if i < len(nan_counts) and (nan_counts[i] or inf_counts[i])
             ]
             history.reports.append(
-                SkippedStep(step=index, epoch=self.epoch, loss=loss, gradients=GradientReport(records_),
-                            loss_scale=scale, grad_norm=norm)
+                SkippedStep(
+                    step=index, epoch=self.epoch, loss=loss, gradients=GradientReport(records_),
+                    loss_scale=scale, grad_norm=norm,
+                    # The NaN doctor, once per run: on the first skipped step only, and on
+                    # one device only for now (under several replicas or workers its re-run
+                    # moved the replicas' state apart: issue 20 stays open for it).
+                    diagnosis=(
+                        None
+                        if history.reports or self.doctor is None or self.doctor.distributed is None
+                        or self.doctor.cluster is not None or self.doctor.strategy.num_replicas_in_sync > 1
+                        else diagnose_skipped_step(self.doctor, index)
+                    ),
+                )
             )
         self._watch_loss_scale()
         consecutive = history.trailing_nonfinite()

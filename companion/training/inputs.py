@@ -1,14 +1,16 @@
 """Input checks of :func:`companion.training.train`'s own arguments (``fit``'s and
 ``compile``'s are checked by ``fit`` and ``compile``), raised before any step runs with a
-message that says what was given and what is expected; and a list of batches as a
-dataset.
+message that says what was given and what is expected; a list of batches as a
+dataset; and an epoch's batches read again for the NaN doctor.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 #: What ``on_nonfinite`` may be: skip the step, raise at once, or apply every step
@@ -92,3 +94,27 @@ def check_callbacks(callbacks) -> list:
                 f"callbacks must be keras.callbacks.Callback instances, got {type(callback).__name__} {callback!r}"
             )
     return list(callbacks)
+
+
+def replay_batches(x, y=None, sample_weight=None, batch_size=None, validation_split=0.0):
+    """The training batches of an epoch as ``fit`` cuts them, unshuffled, for the NaN doctor.
+
+    Args:
+        x, y, sample_weight, batch_size, validation_split: as given to ``fit``.
+
+    Returns:
+        ``x`` itself if it is a ``tf.data.Dataset``; for arrays or tensors (nested in
+        tuples, lists or dicts), a dataset of their first ``1 - validation_split`` rows
+        (the rows ``fit`` trains on) in batches of ``batch_size`` (``fit``'s default 32);
+        ``None`` for inputs that cannot be read twice (a generator, a ``PyDataset``).
+    """
+    if isinstance(x, tf.data.Dataset):
+        return x
+    parts = tuple(tuple(v) if isinstance(v, list) else v for v in (x, y, sample_weight) if v is not None)
+    leaves = tf.nest.flatten(parts)
+    if not leaves or not all(isinstance(v, (np.ndarray, tf.Tensor)) and len(v.shape) >= 1 for v in leaves):
+        return None
+    rows = int(leaves[0].shape[0])
+    keep = int(math.floor(rows * (1.0 - (validation_split or 0.0))))
+    parts = tf.nest.map_structure(lambda v: v[:keep], parts)
+    return tf.data.Dataset.from_tensor_slices(parts).batch(int(batch_size or 32))

@@ -20,8 +20,8 @@ from companion.losses import check_keras_loss_shapes
 from companion.optimizers import SkipNonFinite
 from companion.training.checkpoints import TrainingCheckpoint
 from companion.training.cluster import PEER_FAILURES, Cluster, arm_exit_after_worker_loss
-from companion.training.guard import GuardCallback, GuardedStep, asks_for_batch_hooks, model_cache
-from companion.training.inputs import ON_NONFINITE, as_dataset, check_callbacks
+from companion.training.guard import DoctorView, GuardCallback, GuardedStep, asks_for_batch_hooks, model_cache
+from companion.training.inputs import ON_NONFINITE, as_dataset, check_callbacks, replay_batches
 from companion.training.results import TrainingHistory, WorkerLostError
 
 #: The most steps one host call runs when ``train`` chooses ``steps_per_execution``.
@@ -239,7 +239,11 @@ def train(
         # (Keras 3.15's multi-step loop fails under MirroredStrategy: one step per call there.)
         model.steps_per_execution = _steps_per_execution(x, batch_size, steps_per_epoch, validation_split)
     step = _guarded_step(model, strategy, guard=on_nonfinite != "ignore", clip=clip_global_norm, limit=limit)
-    guard_callback = GuardCallback(step, history, on_nonfinite=on_nonfinite, limit=limit)
+    doctor = DoctorView(
+        model, strategy, history, lambda: replay_batches(x, y, sample_weight, batch_size, validation_split), cluster,
+        verbose=fit_arguments["verbose"] != 0,
+    )
+    guard_callback = GuardCallback(step, history, on_nonfinite=on_nonfinite, limit=limit, doctor=doctor)
     extra = [_CheckpointCallback(checkpoint, history)] if checkpoint is not None else []
     try:
         return _fit(model, x, y, step, [guard_callback, *callbacks, history, *extra], fit_arguments, history,
