@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import math
+import warnings
 
 import keras
 import numpy as np
@@ -288,38 +289,59 @@ def test_stop_training_set_by_a_callback_ends_training_after_the_host_call():
     assert history.epochs == 1
 
 
-@pytest.mark.parametrize(
-    "arguments",
-    [
-        {"metrics": ["no_such_metric"]},
-        {"validation_data": [1, 2, 3, 4]},
-        {"loss": {"nope": "mse"}},
-        {"loss": "no_such_loss"},
-        {"loss_weights": ["heavy"]},
-    ],
-    ids=lambda v: None,
-)
-def test_bad_keras_arguments_raise_as_compile_and_fit_raise_them(arguments):
-    # train hands compile's and fit's arguments to compile and fit: the same error.
-    dataset = tf.data.Dataset.from_tensor_slices((X, Y)).batch(BATCH)
-    compile_names = {"metrics", "loss", "loss_weights"}
-    errors = []
+def _dataset(**kwargs):
+    return tf.data.Dataset.from_tensor_slices((X, Y)).batch(BATCH)
+
+
+#: Arguments train used to check itself and now hands to compile and fit (the removed
+#: checks of the old train's BAD_INPUTS): (arguments, model, data, raises).
+HANDED_TO_FIT = [
+    ({"metrics": ["no_such_metric"]}, _sequential, _dataset, True),
+    ({"validation_data": [1, 2, 3, 4]}, _sequential, _dataset, True),
+    ({"validation_data": ({"a": X}, Y)}, _sequential, _dataset, True),
+    ({"validation_data": (X[:, :2], Y)}, _sequential, _dataset, True),
+    ({"loss": {"nope": "mse"}}, _sequential, _dataset, True),
+    ({"loss": {"value": "mse", "score": "mse"}}, _two_outputs,
+     lambda: tf.data.Dataset.from_tensor_slices((X, {"value": Y, "label": Y})).batch(BATCH), True),
+    ({"loss": "no_such_loss"}, _sequential, _dataset, True),
+    ({"loss": 3}, _sequential, _dataset, True),
+    ({"loss_weights": ["heavy"]}, _sequential, _dataset, True),
+    ({"epochs": 1.5}, _sequential, _dataset, True),
+    ({}, _sequential, lambda: tf.data.Dataset.from_tensor_slices(X).batch(BATCH), True),
+    ({}, _sequential, lambda: tf.data.Dataset.from_tensor_slices((X, Y, Y, Y)).batch(BATCH), True),
+    ({}, _sequential, lambda: 42, True),
+    # Accepted by fit, so by train: an empty dataset, no epoch to run, an optimizer by name.
+    ({}, _sequential, lambda: _dataset().take(0), False),
+    ({"epochs": 0}, _sequential, _dataset, False),
+    ({"optimizer": "adam"}, _sequential, _dataset, False),
+]
+
+
+@pytest.mark.parametrize("arguments, make_model, make_data, raises", HANDED_TO_FIT, ids=lambda v: None)
+def test_keras_arguments_raise_or_pass_as_compile_and_fit_treat_them(arguments, make_model, make_data, raises):
+    # train hands compile's and fit's arguments to compile and fit: the same outcome
+    # (the error's type, and whether any step changed the weights before it).
+    compile_names = {"metrics", "loss", "loss_weights", "optimizer"}
+    outcomes = []
     for runner in ("fit", "train"):
-        model = _sequential()
+        keras.utils.set_random_seed(0)
+        model = make_model()
         before = [w.copy() for w in model.get_weights()]
         options = {"loss": "mse", "optimizer": keras.optimizers.SGD(0.1), **arguments}
         try:
-            if runner == "fit":
-                model.compile(**{k: v for k, v in options.items() if k in compile_names | {"optimizer"}})
-                model.fit(dataset, verbose=0, **{k: v for k, v in options.items() if k not in compile_names | {"optimizer"}})
-            else:
-                train(model, dataset, verbose=0, **options)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                if runner == "fit":
+                    model.compile(**{k: v for k, v in options.items() if k in compile_names})
+                    model.fit(make_data(), verbose=0, **{k: v for k, v in options.items() if k not in compile_names})
+                else:
+                    train(model, make_data(), verbose=0, **options)
         except Exception as error:  # noqa: BLE001 - the type is what is compared
-            errors.append((type(error), all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))))
+            outcomes.append((type(error), all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))))
         else:
-            errors.append((None, True))
-    assert errors[0] == errors[1]
-    assert errors[1][0] is not None
+            outcomes.append((None, all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))))
+    assert outcomes[0] == outcomes[1]
+    assert (outcomes[1][0] is not None) == raises, outcomes
 
 
 @pytest.mark.parametrize(

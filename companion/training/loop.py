@@ -106,7 +106,9 @@ def train(
       with ``fit``.
     * XLA: ``jit_compile=True`` by default when ``train`` compiles; if the step cannot be
       compiled (an op without an XLA kernel, such as ``tf.py_function``), it runs
-      without XLA and a warning says so.
+      without XLA and a warning says so. Under several replicas (``MirroredStrategy``,
+      several workers) the step runs without XLA: Keras' XLA step there reads variables
+      of other devices, which XLA refuses (``fit`` fails with ``InvalidArgumentError``).
     * Mixed precision: ``compile`` wraps the optimizer of a ``mixed_float16`` model in a
       :class:`keras.optimizers.LossScaleOptimizer`; an overflowing step is skipped and
       halves the loss scale. If the scale falls to 1, ``history.loss_scale_stalled`` is
@@ -235,6 +237,11 @@ def train(
         and not steps_per_epoch and not validation_steps
     )
     previous_steps = model.steps_per_execution
+    xla_off = strategy.num_replicas_in_sync > 1 and bool(model.jit_compile)
+    if xla_off:
+        # Keras' XLA step under several replicas accesses variables placed on the other
+        # replicas' devices: fit itself raises InvalidArgumentError (TF 2.16-2.21).
+        model.jit_compile = False
     if chosen and strategy.num_replicas_in_sync == 1:
         # (Keras 3.15's multi-step loop fails under MirroredStrategy: one step per call there.)
         model.steps_per_execution = _steps_per_execution(x, batch_size, steps_per_epoch, validation_split)
@@ -256,6 +263,8 @@ def train(
         step.uninstall()
         if chosen:
             model.steps_per_execution = previous_steps
+        if xla_off:
+            model.jit_compile = True
 
 
 def _fit(model, x, y, step, callbacks, fit_arguments, history, cluster, checkpoint, guard_callback):
