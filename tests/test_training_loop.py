@@ -397,3 +397,33 @@ def test_ignore_mode_applies_every_step_as_fit_does():
     assert history.skipped == [] and not np.isfinite(history.step_loss[2])
     assert int(optimizer.iterations) == N_BATCHES
     assert not all(np.isfinite(v.numpy()).all() for v in model.trainable_variables)
+
+
+class _StepsPerCall(keras.callbacks.Callback):
+    """Notes the model's steps_per_execution during fit (an epoch hook only)."""
+
+    seen: list
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seen = [*getattr(self, "seen", []), int(self.model.steps_per_execution)]
+
+
+def test_epoch_checkpoints_leave_train_several_steps_per_host_call_and_per_step_saving_does_not(tmp_path):
+    from companion.training.guard import asks_for_batch_hooks
+
+    class Custom(keras.callbacks.ModelCheckpoint):
+        def on_train_batch_end(self, batch, logs=None):
+            pass
+
+    epoch_savers = [
+        keras.callbacks.ModelCheckpoint(str(tmp_path / "m.keras")),
+        keras.callbacks.BackupAndRestore(str(tmp_path / "backup")),
+    ]
+    assert not asks_for_batch_hooks(epoch_savers)
+    assert asks_for_batch_hooks([keras.callbacks.ModelCheckpoint(str(tmp_path / "m.keras"), save_freq=1)])
+    assert asks_for_batch_hooks([Custom(str(tmp_path / "m.keras"))])
+    for callbacks, steps in ((epoch_savers[:1], N_BATCHES), ([Custom(str(tmp_path / "c.keras"))], 1)):
+        watch = _StepsPerCall()
+        train(make_model(), make_dataset(), loss="mse", optimizer=keras.optimizers.SGD(0.01), epochs=2,
+              callbacks=[*callbacks, watch], verbose=0)
+        assert watch.seen == [steps, steps]

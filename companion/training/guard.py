@@ -586,13 +586,26 @@ def nonfinite_error(history, consecutive, limit, on_nonfinite, loss_scaled) -> N
     )
 
 
+#: Keras' callbacks whose own batch hooks do nothing when they save once per epoch.
+_EPOCH_SAVERS = (keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore)
+
+
 def asks_for_batch_hooks(callbacks) -> bool:
-    """Whether any of ``callbacks`` overrides a batch hook of training (as Keras tells)."""
+    """Whether any of ``callbacks`` overrides a batch hook of training (as Keras tells).
+
+    ``ModelCheckpoint`` and ``BackupAndRestore`` with ``save_freq="epoch"`` do not: their
+    ``on_train_batch_end`` returns at once then (unless a subclass overrides it).
+    """
     hooks = ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end")
     for callback in callbacks:
         if isinstance(callback, (keras.callbacks.History, keras.callbacks.ProgbarLogger)):
             continue
-        if any(not _tf_internals.is_default_callback_method(callback, name) for name in hooks):
+        overridden = [name for name in hooks if not _tf_internals.is_default_callback_method(callback, name)]
+        if isinstance(callback, _EPOCH_SAVERS) and getattr(callback, "save_freq", None) == "epoch":
+            keras_own = next(c for c in _EPOCH_SAVERS if isinstance(callback, c))
+            overridden = [
+                name for name in overridden if getattr(type(callback), name) is not getattr(keras_own, name)
+            ]
+        if overridden:
             return True
     return False
-
