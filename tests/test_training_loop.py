@@ -427,3 +427,21 @@ def test_epoch_checkpoints_leave_train_several_steps_per_host_call_and_per_step_
         train(make_model(), make_dataset(), loss="mse", optimizer=keras.optimizers.SGD(0.01), epochs=2,
               callbacks=[*callbacks, watch], verbose=0)
         assert watch.seen == [steps, steps]
+
+
+def test_the_doctor_finds_the_first_skipped_batch_of_arrays_and_skips_inputs_it_cannot_reread():
+    x = X.copy()
+    x[2 * BATCH + 3, 0] = np.nan
+    history = train(make_model(), x, Y, batch_size=BATCH, shuffle=False, validation_split=0.25, epochs=2,
+                    loss="mse", optimizer=keras.optimizers.SGD(0.01), verbose=0)
+    assert history.skipped == [2, 8]  # 6 training batches per epoch (the last 2 validate)
+    first, second = history.reports
+    assert first.diagnosis is not None and first.diagnosis.batch == 2 and second.diagnosis is None
+    assert first.diagnosis.cause == "nonfinite_input"
+
+    def batches():  # a generator: fit reads it once, so the doctor cannot
+        for start in range(0, len(x), BATCH):
+            yield x[start:start + BATCH], Y[start:start + BATCH]
+
+    history = train(make_model(), batches(), loss="mse", optimizer=keras.optimizers.SGD(0.01), verbose=0)
+    assert history.skipped == [2] and history.reports[0].diagnosis is None
