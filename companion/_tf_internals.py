@@ -621,3 +621,35 @@ def isolate_collective_keys(strategy) -> None:
             for device in group:
                 group[device] += offset
         keys._companion_isolated = True
+
+
+# --------------------------------------------------------------------------------------
+# 12. A host call with fewer batches than steps_per_execution (companion.training.loop)
+# --------------------------------------------------------------------------------------
+# Relies on: the source of ``keras.src.backend.tensorflow.trainer`` (Keras' TensorFlow
+# trainer; ``_make_function`` in newer Keras, ``make_train_function`` in 3.5), whose
+# multi-step loop reads its batches with ``iterator.get_next_as_optional()`` in
+# newer Keras (3.13 and 3.15 do), so that an epoch or a validation pass shorter than
+# ``steps_per_execution`` ends with a shorter last call. Older Keras (3.5) reads them
+# with ``get_next()``: the short last call raises OutOfRangeError, which ``fit`` takes
+# for the end of the data, and the validation pass (or the last steps) is lost.
+# If gone: ``False`` (a warning says so), and train chooses several steps per host call
+# only where every call is full (no validation, an epoch of at most 1024 batches).
+
+
+def multi_step_loop_ends_short_calls() -> bool:
+    """Whether Keras' multi-step loop runs a last host call shorter than ``steps_per_execution``."""
+    import inspect
+
+    try:
+        from keras.src.backend.tensorflow import trainer
+
+        source = inspect.getsource(trainer)
+    except (ImportError, AttributeError, OSError, TypeError):
+        warn_once(
+            "keras_tf_trainer_source",
+            "the source of keras.src.backend.tensorflow.trainer is not readable: train runs several steps per "
+            "host call only where every call is full",
+        )
+        return False
+    return "get_next_as_optional" in source and "multi_step_on_iterator" in source

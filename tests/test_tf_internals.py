@@ -302,3 +302,25 @@ def test_restore_on_create_passes_a_checkpoint_value_that_is_recognised():
     np.testing.assert_array_equal(fresh.v.numpy(), [0.25, 0.5])
     assert not _tf_internals.is_checkpoint_restore(tf.zeros([2]))
     assert not _tf_internals.is_checkpoint_restore(lambda: tf.zeros([2]))
+
+
+def test_keras_multi_step_loop_says_whether_it_ends_short_calls():
+    import warnings
+
+    import keras
+    import numpy as np
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", _tf_internals.InternalAPIWarning)
+        ends_short = _tf_internals.multi_step_loop_ends_short_calls()
+    # What the hook reads must be what Keras does: a validation pass of 1 batch under
+    # steps_per_execution=4 is logged only by a Keras that ends short calls.
+    x = np.ones((8, 1), "float32")
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    model.compile(loss="mse", optimizer="sgd", steps_per_execution=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        history = model.fit(x, x, batch_size=2, validation_data=(x[:2], x[:2]), verbose=0)
+    assert ("val_loss" in history.history) == ends_short
+    if tuple(int(p) for p in keras.__version__.split(".")[:2]) >= (3, 13):
+        assert ends_short  # the lock's and Colab's Keras

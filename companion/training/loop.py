@@ -242,9 +242,14 @@ def train(
         # Keras' XLA step under several replicas accesses variables placed on the other
         # replicas' devices: fit itself raises InvalidArgumentError (TF 2.16-2.21).
         model.jit_compile = False
+    short_calls = _tf_internals.multi_step_loop_ends_short_calls()
+    if chosen and not short_calls and (validation_data is not None or validation_split):
+        chosen = False  # older Keras would drop the validation pass's short last call
     if chosen and strategy.num_replicas_in_sync == 1:
         # (Keras 3.15's multi-step loop fails under MirroredStrategy: one step per call there.)
-        model.steps_per_execution = _steps_per_execution(x, batch_size, steps_per_epoch, validation_split)
+        model.steps_per_execution = _steps_per_execution(
+            x, batch_size, steps_per_epoch, validation_split, whole_epochs_only=not short_calls
+        )
     step = _guarded_step(model, strategy, guard=on_nonfinite != "ignore", clip=clip_global_norm, limit=limit)
     doctor = DoctorView(
         model, strategy, history, lambda: replay_batches(x, y, sample_weight, batch_size, validation_split), cluster,
@@ -365,8 +370,12 @@ def _build(model, x) -> None:
         pass
 
 
-def _steps_per_execution(x, batch_size, steps_per_epoch, validation_split) -> int:
-    """Steps per host call when no one asked for per-step hooks: up to an epoch."""
+def _steps_per_execution(x, batch_size, steps_per_epoch, validation_split, whole_epochs_only=False) -> int:
+    """Steps per host call when no one asked for per-step hooks: up to an epoch.
+
+    With ``whole_epochs_only`` (an older Keras that drops a short last call), only an
+    epoch of at most ``MAX_STEPS_PER_EXECUTION`` batches runs in one call; else 1.
+    """
     batches = None
     if steps_per_epoch:
         batches = int(steps_per_epoch)
@@ -381,7 +390,7 @@ def _steps_per_execution(x, batch_size, steps_per_epoch, validation_split) -> in
         if rows is not None:
             rows = int(rows * (1 - (validation_split or 0.0)))
             batches = max(1, math.ceil(rows / (batch_size or 32)))
-    if batches is None:
+    if batches is None or (whole_epochs_only and batches > MAX_STEPS_PER_EXECUTION):
         return 1
     return max(1, min(batches, MAX_STEPS_PER_EXECUTION))
 
