@@ -473,6 +473,7 @@ class GuardCallback(keras.callbacks.Callback):
         self.epoch = 0
         self.epoch_start = 0
         self.applied_losses: list[float] = []
+        self._last_records: Any = ()
 
     def on_train_begin(self, logs=None):
         self.step.reset(self.training_history.trailing_nonfinite())
@@ -487,6 +488,7 @@ class GuardCallback(keras.callbacks.Callback):
 
     def record(self) -> None:
         records, counts = self.step.drain()
+        self._last_records = records
         history = self.training_history
         history.xla = bool(self.model.jit_compile)
         mode = self.step.mode
@@ -545,11 +547,19 @@ class GuardCallback(keras.callbacks.Callback):
         scaler = self.step.loss_scaler
         if scaler is None or not scaler.built or history.loss_scale_stalled or not history.loss_scale:
             return
-        current = float(tf.convert_to_tensor(self.step.loss_scaler.dynamic_scale).numpy())
+        # The scale each step used is recorded, so the first step after which it had
+        # fallen is found even when a host call ran several steps.
+        scales = history.loss_scale
+        start = max(1, len(scales) - len(self._last_records))
+        fallen = next((j for j in range(start, len(scales)) if scales[j] <= STALLED_LOSS_SCALE), None)
+        if fallen is not None:
+            current, step = scales[fallen], fallen - 1
+        else:
+            current, step = float(tf.convert_to_tensor(scaler.dynamic_scale).numpy()), history.steps - 1
         if current <= STALLED_LOSS_SCALE:
             history.loss_scale_stalled = True
             warnings.warn(
-                f"the dynamic loss scale fell to {current:g} by step {history.steps - 1}: the gradients are "
+                f"the dynamic loss scale fell to {current:g} by step {step}: the gradients are "
                 "non-finite even without float16 overflow, so loss scaling cannot fix them (and small "
                 "gradients now underflow). Look for the NaN with companion.diagnostics.locate_nonfinite.",
                 RuntimeWarning,

@@ -340,8 +340,26 @@ def _compile(model, x, y, *, loss, optimizer, **options) -> None:
         return
     if isinstance(x, tf.data.Dataset) and loss is not None and not isinstance(loss, (dict, list, tuple)):
         _check_target_shapes(model, loss, x.element_spec)
+    optimizer = _loss_scaled(model, optimizer, options["auto_scale_loss"])
     model.compile(optimizer=optimizer, loss=loss, **options)
     cache["compiled"] = key
+
+
+def _loss_scaled(model, optimizer, auto_scale_loss):
+    """The optimizer in a ``LossScaleOptimizer`` if some layer computes in float16.
+
+    ``compile`` wraps it only when the *model's* policy is ``mixed_float16`` (the global
+    policy); a model whose layers were given ``dtype="mixed_float16"`` one by one would
+    then train in float16 without loss scaling, and small gradients underflow.
+    """
+    if not auto_scale_loss or isinstance(optimizer, (str, keras.optimizers.LossScaleOptimizer)):
+        return optimizer
+    if getattr(getattr(model, "dtype_policy", None), "name", None) == "mixed_float16":
+        return optimizer  # compile wraps it
+    policies = {getattr(getattr(layer, "dtype_policy", None), "name", None) for layer in _tf_internals.all_layers(model)}
+    if "mixed_float16" in policies and isinstance(optimizer, keras.optimizers.Optimizer):
+        return keras.optimizers.LossScaleOptimizer(optimizer)
+    return optimizer
 
 
 def _check_target_shapes(model, loss, spec) -> None:
