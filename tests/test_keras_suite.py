@@ -11,9 +11,10 @@ optimizers/, saving/, metrics/ and the TensorFlow distribute test; a line marked
 The selection runs in a fresh process (Keras' tests change global state: dtype
 policies, logical devices) under tests/keras_suite/keras_suite_plugin.py, which replaces
 ``keras.Model.fit`` by an adapter that hands each argument of ``fit`` to the argument of
-``train`` with the same name. ``KERAS_SUITE=quick`` runs the lines marked ``quick`` (the
-pinned subset .ci/run's stage "Keras' tests of fit through train" runs);
-``KERAS_SUITE=full`` runs every line (about half an hour; not in CI). Without
+``train`` with the same name. ``KERAS_SUITE=ci`` runs the lines marked ``ci`` (38 tests:
+the pinned subset .ci/run's stage "Keras' tests of fit through train" runs),
+``KERAS_SUITE=quick`` the lines marked ``quick`` (52), ``KERAS_SUITE=full`` every line
+(about half an hour idle; not in CI). Without
 ``KERAS_SUITE`` (the README's ``python -m pytest``) only the selection is checked and the
 run is skipped, so the default collection never runs Keras' suite.
 
@@ -51,6 +52,13 @@ def read_selection() -> tuple[list[str], dict[str, str], set[str]]:
         if "quick" in node_tags(line):
             quick.add(node)
     return tests, exceptions, quick
+
+
+def tagged(tag: str) -> set[str]:
+    """The node ids of the selection whose line carries ``tag`` (``quick``, ``ci``)."""
+    lines = [line.strip() for line in SELECTION.read_text().splitlines()]
+    return {line.partition("#")[0].strip() for line in lines if line and not line.startswith("#")
+            and tag in node_tags(line)}
 
 
 def node_tags(line: str) -> set[str]:
@@ -98,6 +106,8 @@ def test_selection_is_pinned_and_every_exception_has_a_reason():
     assert len(tests) == len(set(tests)), "a node id is listed twice"
     assert 100 <= len(tests) <= 250
     assert quick and quick <= set(tests)
+    ci = tagged("ci")
+    assert 30 <= len(ci) <= 45 and ci <= set(tests) and not ci & set(exceptions)
     assert all(reason for reason in exceptions.values())
     source = keras_source()
     assert all((source / t.split("::")[0]).exists() for t in tests), "a selected file is not in the keras wheel"
@@ -106,10 +116,10 @@ def test_selection_is_pinned_and_every_exception_has_a_reason():
 @pytest.mark.slow
 def test_keras_tests_of_fit_pass_with_train(tmp_path):
     part = os.environ.get("KERAS_SUITE")
-    if part not in ("quick", "full"):
-        pytest.skip("Keras' suite runs with KERAS_SUITE=quick (.ci/run's stage) or KERAS_SUITE=full")
+    if part not in ("ci", "quick", "full"):
+        pytest.skip("Keras' suite runs with KERAS_SUITE=ci (.ci/run's stage), quick or full")
     tests, exceptions, quick = read_selection()
-    if part == "quick":
-        tests = [t for t in tests if t in quick]
+    if part != "full":
+        tests = [t for t in tests if t in tagged(part)]
     outcomes, output = run_selection(tests, tmp_path)
     check(tests, exceptions, outcomes, output)
