@@ -279,6 +279,10 @@ def _fit(model, x, y, step, callbacks, fit_arguments, history, cluster, checkpoi
             model.fit(x, y, callbacks=callbacks, **fit_arguments)
             return history
         except tf.errors.OpError as error:
+            # Every collective of the run is inside this call: the steps', reading the
+            # metrics for the logs (an eager all-reduce), the callbacks', validation's and
+            # the checkpoint's; any of them failing because a peer is gone is a
+            # WorkerLostError, so the survivor exits (the kill matrix covers each moment).
             if cluster is not None and isinstance(error, PEER_FAILURES):
                 raise cluster.lost(error, guard_callback.epoch, history, checkpoint) from error
             if attempt == 0 and model.jit_compile and history.steps == 0 and _tf_internals.looks_like_xla_failure(
