@@ -294,11 +294,13 @@ def _dataset(**kwargs):
 
 
 #: Arguments train used to check itself and now hands to compile and fit (the removed
-#: checks of the old train's BAD_INPUTS): (arguments, model, data, raises).
+#: checks of the old train's BAD_INPUTS): (arguments, model, data, raises; None: as fit
+#: does on this Keras).
 HANDED_TO_FIT = [
     ({"metrics": ["no_such_metric"]}, _sequential, _dataset, True),
     ({"validation_data": [1, 2, 3, 4]}, _sequential, _dataset, True),
-    ({"validation_data": ({"a": X}, Y)}, _sequential, _dataset, True),
+    # (Keras 3.5 accepts a dict for a model with one input, later Keras refuses it.)
+    ({"validation_data": ({"a": X}, Y)}, _sequential, _dataset, None),
     ({"validation_data": (X[:, :2], Y)}, _sequential, _dataset, True),
     ({"loss": {"nope": "mse"}}, _sequential, _dataset, True),
     ({"loss": {"value": "mse", "score": "mse"}}, _two_outputs,
@@ -341,7 +343,8 @@ def test_keras_arguments_raise_or_pass_as_compile_and_fit_treat_them(arguments, 
         else:
             outcomes.append((None, all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))))
     assert outcomes[0] == outcomes[1]
-    assert (outcomes[1][0] is not None) == raises, outcomes
+    if raises is not None:
+        assert (outcomes[1][0] is not None) == raises, outcomes
 
 
 @pytest.mark.parametrize(
