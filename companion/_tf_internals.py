@@ -190,14 +190,30 @@ def can_skip_optimizer_all_reduce(optimizer) -> bool:
     return False
 
 
+_skip_lock = threading.Lock()
+_skip_users: dict[int, int] = {}
+
+
 @contextlib.contextmanager
 def optimizer_all_reduce_skipped(optimizer) -> Iterator[None]:
-    """While tracing ``optimizer.apply``: tell it its gradients are summed already."""
-    optimizer._all_reduce_sum_gradients = list  # the (gradient, variable) pairs, unchanged
+    """While tracing ``optimizer.apply``: tell it its gradients are summed already.
+
+    Reference-counted per optimizer: under ``MirroredStrategy`` every replica's thread
+    enters it around the same ``merge_call``.
+    """
+    with _skip_lock:
+        count = _skip_users.get(id(optimizer), 0)
+        if count == 0:
+            optimizer._all_reduce_sum_gradients = list  # the (gradient, variable) pairs, unchanged
+        _skip_users[id(optimizer)] = count + 1
     try:
         yield
     finally:
-        del optimizer._all_reduce_sum_gradients
+        with _skip_lock:
+            _skip_users[id(optimizer)] -= 1
+            if _skip_users[id(optimizer)] == 0:
+                del _skip_users[id(optimizer)]
+                del optimizer._all_reduce_sum_gradients
 
 
 # --------------------------------------------------------------------------------------
@@ -517,3 +533,148 @@ def global_random_states() -> list:
         if generator is not None:
             states.append(generator.state)
     return states
+
+
+# --------------------------------------------------------------------------------------
+# 12. Keras' fit under MultiWorkerMirroredStrategy (companion.training.guard)
+# --------------------------------------------------------------------------------------
+# Relies on: Keras 3's ``TensorFlowTrainer._maybe_symbolic_build(iterator, data_batch)``,
+# called by ``fit``/``evaluate`` before the first step, and ``Trainer._symbolic_build``.
+# Keras 3.15 takes the example batch of a distributed dataset by
+# ``strategy.reduce("MEAN", batch, axis=None)``, which fails under
+# ``MultiWorkerMirroredStrategy`` (``ValueError: Attempt to convert a value (PerReplica
+# ...)``); the repair takes the local replica's part of the batch (only its shapes
+# and dtypes are used) and builds from it, as Keras does for one worker.
+# If gone: no repair is installed (a warning says so), and ``fit`` fails as Keras' does.
+
+
+def repair_symbolic_build_for_multi_worker(model) -> None:
+    """Make ``model``'s symbolic build take its example batch from the local replica."""
+    original = getattr(type(model), "_maybe_symbolic_build", None)
+    if original is None or not callable(getattr(model, "_symbolic_build", None)):
+        warn_once(
+            "_maybe_symbolic_build",
+            "keras models have no _maybe_symbolic_build/_symbolic_build: fit under MultiWorkerMirroredStrategy "
+            "is not repaired",
+        )
+        return
+
+    def local_symbolic_build(iterator=None, data_batch=None):
+        strategy = model.distribute_strategy
+        if iterator is not None:
+            for _, _, it in iterator:
+                batch = next(it)
+                data_batch = tf.nest.map_structure(
+                    lambda v: strategy.experimental_local_results(v)[0]
+                    if isinstance(v, tf.distribute.DistributedValues)
+                    else v,
+                    batch,
+                )
+                break
+        with strategy.scope():
+            model._symbolic_build(data_batch=data_batch)
+
+    model._maybe_symbolic_build = local_symbolic_build
+
+
+def undo_symbolic_build_repair(model) -> None:
+    """Remove what :func:`repair_symbolic_build_for_multi_worker` installed."""
+    vars(model).pop("_maybe_symbolic_build", None)
+
+
+# --------------------------------------------------------------------------------------
+# 13. Which callback methods are Keras' empty defaults (companion.training.loop)
+# --------------------------------------------------------------------------------------
+# Relies on: Keras 3 marking the empty methods of ``keras.callbacks.Callback`` with
+# ``_is_default = True`` (``keras.src.utils.python_utils.default``), which is how its own
+# ``CallbackList`` decides whether batch hooks need calling (``LambdaCallback`` sets its
+# hooks on the instance, so comparing with the class's method is not enough).
+# If gone: a method counts as default when it is the base class's own function.
+
+
+def is_default_callback_method(callback, name: str) -> bool:
+    """Whether ``callback.<name>`` is Keras' empty default (not a hook the user gave)."""
+    import keras
+
+    method = getattr(callback, name, None)
+    if method is None:
+        return True
+    base = getattr(keras.callbacks.Callback, name, None)
+    if base is not None and not hasattr(base, "_is_default"):
+        warn_once("_is_default", "keras.callbacks.Callback methods carry no _is_default mark")
+        return getattr(method, "__func__", method) is base
+    return bool(getattr(method, "_is_default", False))
+
+
+# --------------------------------------------------------------------------------------
+# 14. Two MirroredStrategys in one process (companion.training.guard)
+# --------------------------------------------------------------------------------------
+# Relies on: ``MirroredStrategy.extended._collective_keys``, a
+# ``tensorflow.python.distribute.cross_device_utils.CollectiveKeys`` whose instance keys
+# start at the same number (``_instance_key_table[group][device]``) in every strategy,
+# with the same group key (1). TensorFlow's runtime caches a collective's parameters by
+# (group key, instance key), so a second strategy in the same process reuses the keys of
+# the first with other shapes and aborts ("Shape mismatch in the collective instance
+# 100"), with fit as with train. Each strategy train runs under gets instance keys of
+# its own range.
+# If gone: nothing is changed (a warning says so); two strategies in one process then
+# abort as they do with fit.
+
+_INSTANCE_KEY_STRIDE = 1_000_000
+_collective_ranges = [0]
+_collective_lock = threading.Lock()
+
+
+def isolate_collective_keys(strategy) -> None:
+    """Give a single-worker ``strategy`` collective instance keys unused in this process."""
+    keys = getattr(strategy.extended, "_collective_keys", None)
+    table = getattr(keys, "_instance_key_table", None)
+    if not isinstance(table, dict):
+        warn_once(
+            "_collective_keys",
+            "MirroredStrategy has no _collective_keys._instance_key_table: two strategies in one process may "
+            "abort with a collective shape mismatch",
+        )
+        return
+    with _collective_lock:
+        if getattr(keys, "_companion_isolated", False):
+            return
+        # (A strategy used already just continues in the new range: its keys only grow.)
+        _collective_ranges[0] += 1
+        offset = _collective_ranges[0] * _INSTANCE_KEY_STRIDE
+        for group in table.values():
+            for device in group:
+                group[device] += offset
+        keys._companion_isolated = True
+
+
+# --------------------------------------------------------------------------------------
+# 15. A host call with fewer batches than steps_per_execution (companion.training.loop)
+# --------------------------------------------------------------------------------------
+# Relies on: the source of ``keras.src.backend.tensorflow.trainer`` (Keras' TensorFlow
+# trainer; ``_make_function`` in newer Keras, ``make_train_function`` in 3.5), whose
+# multi-step loop reads its batches with ``iterator.get_next_as_optional()`` in
+# newer Keras (3.13 and 3.15 do), so that an epoch or a validation pass shorter than
+# ``steps_per_execution`` ends with a shorter last call. Older Keras (3.5) reads them
+# with ``get_next()``: the short last call raises OutOfRangeError, which ``fit`` takes
+# for the end of the data, and the validation pass (or the last steps) is lost.
+# If gone: ``False`` (a warning says so), and train chooses several steps per host call
+# only where every call is full (no validation, an epoch of at most 1024 batches).
+
+
+def multi_step_loop_ends_short_calls() -> bool:
+    """Whether Keras' multi-step loop runs a last host call shorter than ``steps_per_execution``."""
+    import inspect
+
+    try:
+        from keras.src.backend.tensorflow import trainer
+
+        source = inspect.getsource(trainer)
+    except (ImportError, AttributeError, OSError, TypeError):
+        warn_once(
+            "keras_tf_trainer_source",
+            "the source of keras.src.backend.tensorflow.trainer is not readable: train runs several steps per "
+            "host call only where every call is full",
+        )
+        return False
+    return "get_next_as_optional" in source and "multi_step_on_iterator" in source

@@ -318,3 +318,25 @@ def test_the_global_random_states_are_found_and_move_when_drawn_from():
     tf.random.get_global_generator().normal((1,))
     after = [np.array(s.numpy()) for s in states]
     assert all(not np.array_equal(a, b) for a, b in zip(before, after))
+
+
+def test_keras_multi_step_loop_says_whether_it_ends_short_calls():
+    import warnings
+
+    import keras
+    import numpy as np
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", _tf_internals.InternalAPIWarning)
+        ends_short = _tf_internals.multi_step_loop_ends_short_calls()
+    # What the hook reads must be what Keras does: a validation pass of 1 batch under
+    # steps_per_execution=4 is logged only by a Keras that ends short calls.
+    x = np.ones((8, 1), "float32")
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    model.compile(loss="mse", optimizer="sgd", steps_per_execution=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        history = model.fit(x, x, batch_size=2, validation_data=(x[:2], x[:2]), verbose=0)
+    assert ("val_loss" in history.history) == ends_short
+    if tuple(int(p) for p in keras.__version__.split(".")[:2]) >= (3, 13):
+        assert ends_short  # the lock's and Colab's Keras

@@ -138,7 +138,7 @@ MIRRORED_SCRIPT = textwrap.dedent(
 def mirrored_result() -> dict:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONHASHSEED="0")
     completed = subprocess.run(
-        [sys.executable, "-c", MIRRORED_SCRIPT], capture_output=True, text=True, timeout=240, env=env
+        [sys.executable, "-c", MIRRORED_SCRIPT], capture_output=True, text=True, timeout=600, env=env
     )
     lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
     if completed.returncode != 0 or not lines:
@@ -155,7 +155,10 @@ def test_mirrored_nan_on_one_replica_skips_the_step_on_all(mirrored_result):
     assert result["iterations"] == 3 * 8 - 3
     assert result["all_finite"] and result["trainable_in_sync"]
     assert result["epoch_loss"][-1] < result["epoch_loss"][0]
-    assert result["xla"] is True
+    # Keras' XLA step fails under MirroredStrategy on CPU (fit raises InvalidArgumentError
+    # with jit_compile=True), so train runs it without XLA under several replicas
+    # (book/reference/differences_from_fit.md); the old train compiled its own step.
+    assert result["xla"] is False
     assert "sequential/dense/kernel" in result["report_paths"]
 
 

@@ -9,12 +9,13 @@ The package, one idea per module:
 
 * ``results``: :class:`TrainingHistory`, :class:`SkippedStep`, :class:`NonFiniteError`,
   :class:`WorkerLostError`.
-* ``inputs``: the checks of :func:`train`'s arguments and dataset.
+* ``inputs``: the checks of :func:`train`'s own arguments.
 * ``masking``: the masked update (every variable write a select).
-* ``step``: the compiled step and the loop of steps per host call.
+* ``guard``: the guarded ``train_step`` installed in ``fit``, and the callback that
+  reads its records after every host call.
 * ``checkpoints``: epoch-end checkpoints and resuming.
 * ``cluster``: the workers of a multi-worker run.
-* ``loop``: :func:`train` itself, the host loop.
+* ``loop``: :func:`train` itself (compile, install the guard, ``fit``, clean up).
 
 The chapter *The guarded training loop* derives the design and measures its cost.
 """

@@ -1,144 +1,150 @@
-"""The host loop of :func:`companion.training.train`: validate, prepare, then per epoch run
-host calls of several compiled steps, record what they did, and adapt the number of
-steps per call (chapter *The guarded training loop*).
+""":func:`companion.training.train`: Keras' own ``fit``, with the guarded step of
+:mod:`companion.training.guard` installed, epoch-end checkpoints, and the clean exit
+after a lost worker (chapter *The guarded training loop*).
 """
 
 from __future__ import annotations
 
-import bisect
+import math
 import os
-import time
 import warnings
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from companion import _tf_internals
-from companion.diagnostics import GradientRecord, GradientReport
-from companion.diagnostics.hooks import diagnose_skipped_step
-from companion.training.cluster import PEER_FAILURES, arm_exit_after_worker_loss
-from companion.training.inputs import as_dataset, check_arguments, validation_dataset
-from companion.training.masking import UnmaskableUpdate
-from companion.training.prepare import Run, prepare
-from companion.training.results import NonFiniteError, SkippedStep, TrainingHistory, WorkerLostError
-from companion.training.step import Runner, model_cache
+from companion._checks import check_int, check_positive_number
+from companion.losses import check_keras_loss_shapes
+from companion.optimizers import SkipNonFinite
+from companion.training.checkpoints import TrainingCheckpoint
+from companion.training.cluster import PEER_FAILURES, Cluster, arm_exit_after_worker_loss
+from companion.training.guard import DoctorView, GuardCallback, GuardedStep, asks_for_batch_hooks, model_cache
+from companion.training.inputs import ON_NONFINITE, as_dataset, check_callbacks, replay_batches
+from companion.training.results import TrainingHistory, WorkerLostError
 
-#: Seconds of work per host call the loop aims for (also the progress-bar refresh interval).
-TARGET_SECONDS_PER_CALL = 0.2
-MAX_STEPS_PER_CALL = 1024
-#: A dynamic loss scale at or below this value no longer amplifies the gradients.
-STALLED_LOSS_SCALE = 1.0
-
+#: The most steps one host call runs when ``train`` chooses ``steps_per_execution``.
+MAX_STEPS_PER_EXECUTION = 1024
 
 def train(
-    model: keras.layers.Layer,
-    dataset: tf.data.Dataset | Iterable[tuple[Any, Any]],
+    model: keras.Model,
+    x: Any = None,
+    y: Any = None,
     *,
-    loss: Callable | str,
-    optimizer: keras.optimizers.Optimizer,
+    batch_size: int | None = None,
     epochs: int = 1,
+    verbose: int | str = "auto",
     callbacks: list[keras.callbacks.Callback] | None = None,
-    validation_data: tf.data.Dataset | tuple | None = None,
-    metrics: list | dict | None = None,
-    loss_weights: float | list | dict | None = None,
+    validation_split: float = 0.0,
+    validation_data: Any = None,
+    shuffle: bool | str = True,
+    class_weight: dict | None = None,
+    sample_weight: Any = None,
+    initial_epoch: int = 0,
+    steps_per_epoch: int | None = None,
+    validation_steps: int | None = None,
+    validation_batch_size: int | None = None,
+    validation_freq: int = 1,
+    loss: Any = None,
+    optimizer: Any = None,
+    metrics: Any = None,
+    loss_weights: Any = None,
+    weighted_metrics: Any = None,
+    run_eagerly: bool = False,
+    steps_per_execution: int | None = None,
+    jit_compile: bool | str = True,
+    auto_scale_loss: bool = True,
     strategy: tf.distribute.Strategy | None = None,
-    jit_compile: bool = True,
     clip_global_norm: float | None = None,
     on_nonfinite: str = "skip",
     max_consecutive_nonfinite: int = 10,
     checkpoint_dir: str | os.PathLike | None = None,
     on_worker_loss: str = "exit",
-    verbose: int = 1,
 ) -> TrainingHistory:
-    """Train ``model`` on ``dataset``, skipping every step whose loss or gradients are not finite.
+    """``model.fit``, skipping every step whose loss or gradients are not finite.
 
-    ``train`` keeps ``model.fit``'s contracts: the model is compiled with ``loss``,
-    ``loss_weights``, ``metrics`` and ``optimizer`` as ``compile`` would, each step
-    computes the loss as ``fit`` does (``model.compute_loss``: sample weights, a loss per
-    output, regularisation losses, the optimizer's ``loss_scale_factor``), ``callbacks``
-    are driven as ``fit`` drives them (batch hooks once per host call, as with
-    ``steps_per_execution``; ``model.stop_training`` is honoured), ``validation_data`` is
-    evaluated with ``model.evaluate`` after every epoch, and the optimizer's
-    ``finalize_variable_values`` (its EMA) runs at the end. With the same weights and
-    batches, and no skipped step, the weights and every logged number equal ``fit``'s.
+    ``train`` *is* ``fit``: it runs Keras' own ``model.fit`` with every argument ``fit``
+    takes (``x`` ... ``validation_freq``, same names, same meaning), after compiling the
+    model with ``compile``'s arguments when any is given (``loss`` ... ``auto_scale_loss``;
+    a model compiled by the user is trained as compiled). What ``train`` adds is a
+    guarded training step, installed for the call:
 
-    What ``fit`` does not do: each step also computes its gradients' global norm and
-    whether the loss and every gradient are finite their global norm and whether the
-    loss and every gradient are finite (the norm is NaN or Inf as soon as one entry is;
-    finite gradients whose norm overflows float32, above ~1.8e19, count as non-finite
-    too). A non-finite step applies nothing: the weights, the optimizer's moments and
-    iteration counter, the model variables the forward pass changed (batch-norm
-    statistics, dropout seed state) and the metrics keep their exact previous values,
-    so a skipped step does not poison the epoch's loss or metrics (and
-    ``keras.callbacks.TerminateOnNaN`` never fires under the guard). Several steps run
-    per host call, XLA-compiled, without a host round trip per step.
-
-    * Distribution: under a ``tf.distribute`` strategy the gradients are summed across
-      replicas before the test, so a NaN on one replica skips the step on all; the
-      model and optimizer must be created under ``strategy.scope()``, ``dataset``
-      yields global batches, and the loss is the mean over the global batch.
-    * Several machines: under ``tf.distribute.MultiWorkerMirroredStrategy`` every
-      worker calls ``train`` with the same arguments (see :mod:`companion.launch`);
-      only the chief shows progress and writes ``checkpoint_dir`` (which every worker
-      must see), and a lost peer raises :class:`WorkerLostError` on every survivor
-      (see ``on_worker_loss``). Each worker's TensorFlow server listens on every
-      interface of its machine, whatever host ``TF_CONFIG`` names, without
-      authentication, and runs the graphs it is sent: TensorFlow's SECURITY.md requires
-      the cluster's network to be isolated. :func:`companion.launch.launch` runs local
-      workers in a private, loopback-only network namespace.
-    * XLA: if the step cannot be compiled (an op without an XLA kernel, such as
-      ``tf.py_function``), it runs without XLA and a warning says so.
-    * Mixed precision: a float16 model gets a :class:`keras.optimizers.LossScaleOptimizer`
-      (kept with the model across calls); an overflowing step is skipped and halves the
-      loss scale. If the scale falls to 1, ``history.loss_scale_stalled`` is set and a
-      warning says the NaNs are not float16 overflow.
+    * Each step computes the loss and gradients as the model's own ``train_step`` does
+      (``compute_loss``, sample and class weights, regularisation, ``add_loss``, a
+      ``train_step`` or ``compute_loss`` override), then sums the gradients over the
+      replicas and tests them and the loss: a NaN or Inf anywhere (or a gradient norm
+      that overflows float32, above ~1.8e19) makes the step *skipped* on every replica
+      and worker. A skipped step applies nothing: the weights, the optimizer's moments
+      and iteration counter, the variables the forward pass changed (batch-norm
+      statistics, seed state) and the metrics keep their exact previous values, so no
+      log ever shows it (``keras.callbacks.TerminateOnNaN`` does not fire under the
+      guard). Under XLA the update is masked (a select fused into the update) rather
+      than put under a conditional.
+    * Skipped steps are reported in the returned :class:`TrainingHistory` (``skipped``,
+      ``reports``), never as a log key: the logs, the ``History`` and ``CSVLogger``'s
+      columns have exactly ``fit``'s keys.
+    * Callbacks run as ``fit`` runs them, batch hooks every ``steps_per_execution``
+      steps. When neither ``compile`` nor ``train`` was given ``steps_per_execution``
+      and no callback overrides a batch hook, ``train`` runs up to a whole epoch (at most
+      1024 steps) per host call, as ``fit`` with that ``steps_per_execution`` would; the
+      progress bar is then updated after each host call.
+    * ``MultiWorkerMirroredStrategy``: Keras 3's ``fit`` fails under it; ``train`` repairs
+      the two places (the example batch of the symbolic build, the reduction of the
+      logs). Every worker calls ``train`` with the same arguments (see
+      :mod:`companion.launch`); each worker's TensorFlow server listens on every
+      interface of its machine, without authentication, and runs the graphs it is
+      sent: TensorFlow's SECURITY.md requires the cluster's network to be isolated
+      (:func:`companion.launch.launch` runs local workers in a private, loopback-only
+      network namespace). A lost peer raises :class:`WorkerLostError` on every survivor
+      (see ``on_worker_loss``).
     * Checkpoints: with ``checkpoint_dir``, the model, the optimizer, the number of
       completed epochs and the history are saved at every epoch end (the last two are
       kept); calling ``train`` again with the same directory resumes after the last
       completed epoch and ends bit-identical to an uninterrupted run on CPU, provided
-      each epoch yields the same batches.
+      each epoch yields the same batches. ``keras.callbacks.BackupAndRestore`` works as
+      with ``fit``.
+    * XLA: ``jit_compile=True`` by default when ``train`` compiles; if the step cannot be
+      compiled (an op without an XLA kernel, such as ``tf.py_function``), it runs
+      without XLA and a warning says so. Under several replicas (``MirroredStrategy``,
+      several workers) the step runs without XLA: Keras' XLA step there reads variables
+      of other devices, which XLA refuses (``fit`` fails with ``InvalidArgumentError``).
+    * Mixed precision: ``compile`` wraps the optimizer of a ``mixed_float16`` model in a
+      :class:`keras.optimizers.LossScaleOptimizer`; an overflowing step is skipped and
+      halves the loss scale. If the scale falls to 1, ``history.loss_scale_stalled`` is
+      set and a warning says the NaNs are not float16 overflow.
 
-    The design and its cost are in the chapter *The guarded training loop*; several
-    machines in *Training across machines*.
+    The differences from ``fit`` that remain are listed, with their reasons, in the book's
+    reference page *Differences from fit*; the design and its cost are in the chapter
+    *The guarded training loop*, several machines in *Training across machines*.
 
     Args:
-        model: a Keras model (any :class:`keras.layers.Layer` with trainable
-            variables); an unbuilt model is built from the dataset's element spec.
-        dataset: a ``tf.data.Dataset`` of ``(inputs, targets)`` or ``(inputs, targets,
-            sample_weights)`` batches with a finite number of batches, or any finite
-            iterable of such tuples (read once, kept in memory).
-        loss: as for ``compile``: ``loss(y_true, y_pred)``, a :class:`keras.losses.Loss`,
-            a Keras loss name such as ``"mse"``, or a list or dict of them, one per
-            output. A user's callable is called as ``fit`` calls it (it may read extra
-            target columns); for Keras' own losses, targets and predictions that would
-            broadcast into a wrong comparison raise ``ValueError`` before any step.
-        optimizer: a :class:`keras.optimizers.Optimizer`, built on the model's
-            trainable variables if it is not built yet.
-        epochs: total number of passes over ``dataset`` (restored epochs included), >= 1.
-        callbacks: :class:`keras.callbacks.Callback` instances (``EarlyStopping``,
-            ``ModelCheckpoint``, ``ReduceLROnPlateau``, ``CSVLogger``, ...).
-        validation_data: a dataset, or an ``(x, y)`` or ``(x, y, sample_weight)`` tuple
-            of arrays (batched by 32), evaluated after every epoch; its logs get ``val_``.
-        metrics: as for ``compile``: names, :class:`keras.metrics.Metric` instances or
-            callables, in a list or a dict per output; computed on the applied steps.
-        loss_weights: as for ``compile``: a weight per output (a list or dict).
-        strategy: a ``tf.distribute.Strategy``; default: the model's, else the current one.
-        jit_compile: compile the step with XLA.
+        model: a Keras model (or a layer with Keras' ``Trainer`` mixed in).
+        x, y, batch_size, epochs, verbose, callbacks, validation_split,
+            validation_data, shuffle, class_weight, sample_weight, initial_epoch,
+            steps_per_epoch, validation_steps, validation_batch_size, validation_freq:
+            as for ``model.fit`` (``x`` may be a ``tf.data.Dataset`` of ``(inputs,
+            targets[, sample_weights])``, arrays, a generator or a ``PyDataset``).
+        loss, optimizer, metrics, loss_weights, weighted_metrics, run_eagerly,
+            steps_per_execution, jit_compile, auto_scale_loss: as for
+            ``model.compile``; if ``loss`` or ``optimizer`` is given the model is
+            compiled with all of them (again only when they changed), else it must be
+            compiled already. A :class:`~companion.optimizers.SkipNonFinite` optimizer
+            is unwrapped (``train`` guards by itself).
+        strategy: a ``tf.distribute.Strategy``; default: the model's. The model and the
+            optimizer must be created under its scope.
         clip_global_norm: if given (> 0), finite gradients are rescaled so that their
             global norm is at most this value (:func:`tf.clip_by_global_norm`
             semantics). Non-finite gradients are never clipped, which would spread one
             NaN to every variable. The optimizer's own ``clipnorm``, ``clipvalue`` and
-            ``global_clipnorm`` act as in ``fit``, after this, inside ``apply`` (they
-            only ever see finite gradients here).
+            ``global_clipnorm`` act as in ``fit``, after this.
         on_nonfinite: ``"skip"`` (skip the step and go on), ``"raise"`` (raise
             :class:`NonFiniteError` at the first non-finite step, which is not applied
-            either), or ``"ignore"`` (no check: every step is applied, NaN included, as
-            ``model.fit`` does; for measuring what the guard costs).
+            either), or ``"ignore"`` (no guard: every step is applied, NaN included, as
+            ``fit`` does; for measuring what the guard costs).
         max_consecutive_nonfinite: with ``"skip"``, raise :class:`NonFiniteError` after
             this many consecutive skipped steps (>= 1); the weights are then exactly
-            those of the last good step.
+            those of the last good step (no later step of the same host call applies).
         checkpoint_dir: directory for epoch-end checkpoints, or ``None``.
         on_worker_loss: what happens to this process after :class:`WorkerLostError`:
             ``"exit"`` (it ends with exit code 1 at interpreter exit, without
@@ -150,26 +156,20 @@ def train(
             coordination service, which aborts the collectives within about ten seconds;
             a collective timeout, if the strategy sets one, bounds any wait), then at most
             30 s. The tests kill workers at every moment of training and require 60 s.
-        verbose: 0 prints nothing, 1 shows Keras' progress bar per epoch, 2 prints one
-            line per epoch.
 
     Returns:
-        A :class:`TrainingHistory` with the loss, gradient norm and finiteness of every
-        step, a report per skipped step, and in ``.history`` the per-epoch logs that
-        ``fit``'s ``History`` would hold (``model.history`` is that ``History``).
+        A :class:`TrainingHistory`: the ``keras.callbacks.History`` of the run (``fit``'s
+        ``history``, ``epoch``, ``params``; ``model.history`` is it), plus the loss,
+        gradient norm and finiteness of every step and a report per skipped step.
 
     Raises:
-        TypeError: if an argument has the wrong type (``model`` not a Keras model,
-            ``optimizer`` not a Keras optimizer, ``loss`` not callable, a callback that
-            is not a ``keras.callbacks.Callback``, ...) or ``dataset`` does not yield
-            ``(inputs, targets[, sample_weights])`` tuples.
-        ValueError: if an argument is out of range, the dataset is empty or infinite,
-            a metric name is unknown, a loss dict's keys are not the model's outputs,
-            ``validation_data`` does not have the training data's structure, a Keras
-            loss would compare predictions with the wrong targets, the model has no
-            trainable variables or was not created under the strategy's scope, or
-            ``checkpoint_dir`` holds a checkpoint of another model. All of these are
-            raised before any step runs.
+        TypeError: if ``model`` is not a Keras model, an argument has the wrong type, or
+            ``loss`` and ``optimizer`` are missing for a model that is not compiled
+            (``fit`` and ``compile`` raise their own errors for their arguments).
+        ValueError: if a guard argument is out of range, a Keras loss would compare
+            predictions with the wrong targets, the model was not created under the
+            strategy's scope, or ``checkpoint_dir`` holds a checkpoint of another model.
+            All of these are raised before any step runs.
         NonFiniteError: see ``on_nonfinite`` and ``max_consecutive_nonfinite``.
         WorkerLostError: under a multi-worker strategy, when another worker crashed or
             stopped responding.
@@ -177,282 +177,293 @@ def train(
     Example:
         >>> model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
         >>> x = np.array([[1.0], [2.0], [np.nan], [4.0]], "float32")
-        >>> data = tf.data.Dataset.from_tensor_slices((x, 2 * x)).batch(1)
         >>> sgd = keras.optimizers.SGD(0.01)
-        >>> history = train(model, data, loss="mse", optimizer=sgd, epochs=2, verbose=0)
-        >>> history.skipped
-        [2, 6]
+        >>> history = train(model, x, 2 * x, batch_size=1, shuffle=False, epochs=2,
+        ...                 loss="mse", optimizer=sgd, verbose=0)
+        >>> history.skipped, sorted(history.history), history.epoch
+        ([2, 6], ['loss'], [0, 1])
     """
-    args = check_arguments(
-        model, loss, optimizer, epochs=epochs, strategy=strategy, jit_compile=jit_compile,
-        clip_global_norm=clip_global_norm, on_nonfinite=on_nonfinite,
-        max_consecutive_nonfinite=max_consecutive_nonfinite, checkpoint_dir=checkpoint_dir, verbose=verbose,
-        callbacks=callbacks, metrics=metrics, loss_weights=loss_weights,
-    )
+    _check_model(model)
+    if on_nonfinite not in ON_NONFINITE:
+        raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
     if on_worker_loss not in ("exit", "raise"):
         raise ValueError(f"on_worker_loss must be 'exit' or 'raise', got {on_worker_loss!r}")
-    dataset = as_dataset(dataset)
-    validation = validation_dataset(validation_data, dataset.element_spec)
+    limit = 1 if on_nonfinite == "raise" else check_int("max_consecutive_nonfinite", max_consecutive_nonfinite, 1)
+    clip_global_norm = check_positive_number("clip_global_norm", clip_global_norm, allow_none=True)
+    if strategy is not None and not isinstance(strategy, tf.distribute.Strategy):
+        raise TypeError(f"strategy must be a tf.distribute.Strategy or None, got {type(strategy).__name__}")
+    if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
+        raise TypeError(
+            f"checkpoint_dir must be a path (str or os.PathLike) or None, got {type(checkpoint_dir).__name__}"
+        )
+    callbacks = check_callbacks(callbacks)
+    if y is None and isinstance(x, list) and x and all(isinstance(e, tuple) for e in x):
+        x = as_dataset(x, "dataset")  # a list of (inputs, targets[, sample_weights]) batches
+    strategy = strategy or model.distribute_strategy
+    if strategy.num_replicas_in_sync > 1:
+        _check_scope(model, strategy)
+    if isinstance(x, tf.data.Dataset) and shuffle is True:
+        shuffle = False  # fit ignores shuffle for a dataset (and warns that it does)
+    fit_arguments = dict(
+        batch_size=batch_size, epochs=epochs, verbose=verbose, validation_split=validation_split,
+        validation_data=validation_data, shuffle=shuffle, class_weight=class_weight, sample_weight=sample_weight,
+        initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
+        validation_batch_size=validation_batch_size, validation_freq=validation_freq,
+    )
+    with strategy.scope():
+        if loss is not None or optimizer is not None:
+            _compile(
+                model, x, y, loss=loss, optimizer=optimizer, metrics=metrics, loss_weights=loss_weights,
+                weighted_metrics=weighted_metrics, run_eagerly=run_eagerly, steps_per_execution=steps_per_execution,
+                jit_compile=jit_compile, auto_scale_loss=auto_scale_loss,
+            )
+        elif not getattr(model, "compiled", False):
+            raise TypeError(
+                f"model {model.name!r} is not compiled: pass loss= and optimizer= to train (as to compile), "
+                "or compile the model first"
+            )
+        _build(model, x)
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None and model.built and not optimizer.built and model.trainable_variables:
+            optimizer.build(model.trainable_variables)  # as fit's symbolic build does
+    cluster = Cluster.of(strategy)
+    history, restored_epochs, checkpoint = _resume(model, cluster, checkpoint_dir)
+    fit_arguments["initial_epoch"] = max(int(initial_epoch or 0), restored_epochs)
+    if cluster is not None and not cluster.is_chief:
+        fit_arguments["verbose"] = 0  # one progress bar, the chief's
+    chosen = (
+        steps_per_execution is None and model.steps_per_execution == 1 and not asks_for_batch_hooks(callbacks)
+        # fit runs steps_per_execution steps per call of validation too, whatever
+        # validation_steps says, and counts steps_per_epoch in host calls: 1 there.
+        and not steps_per_epoch and not validation_steps
+    )
+    previous_steps = model.steps_per_execution
+    xla_off = strategy.num_replicas_in_sync > 1 and bool(model.jit_compile)
+    if xla_off:
+        # Keras' XLA step under several replicas accesses variables placed on the other
+        # replicas' devices: fit itself raises InvalidArgumentError (TF 2.16-2.21).
+        model.jit_compile = False
+    short_calls = _tf_internals.multi_step_loop_ends_short_calls()
+    if chosen and not short_calls and (validation_data is not None or validation_split):
+        chosen = False  # older Keras would drop the validation pass's short last call
+    if chosen and strategy.num_replicas_in_sync == 1:
+        # (Keras 3.15's multi-step loop fails under MirroredStrategy: one step per call there.)
+        model.steps_per_execution = _steps_per_execution(
+            x, batch_size, steps_per_epoch, validation_split, whole_epochs_only=not short_calls
+        )
+    step = _guarded_step(model, strategy, guard=on_nonfinite != "ignore", clip=clip_global_norm, limit=limit)
+    doctor = DoctorView(
+        model, strategy, history, lambda: replay_batches(x, y, sample_weight, batch_size, validation_split), cluster,
+        verbose=fit_arguments["verbose"] != 0,
+    )
+    guard_callback = GuardCallback(step, history, on_nonfinite=on_nonfinite, limit=limit, doctor=doctor)
+    extra = [_CheckpointCallback(checkpoint, history)] if checkpoint is not None else []
     try:
-        return _train(model, dataset, validation, args)
+        return _fit(model, x, y, step, [guard_callback, *callbacks, history, *extra], fit_arguments, history,
+                    cluster, checkpoint, guard_callback)
     except WorkerLostError:
         if on_worker_loss == "exit":
             arm_exit_after_worker_loss()
         raise
+    finally:
+        step.uninstall()
+        if chosen:
+            model.steps_per_execution = previous_steps
+        if xla_off:
+            model.jit_compile = True
 
 
-def _train(model, dataset, validation, args) -> TrainingHistory:
-    run = prepare(model, dataset, validation=validation, **args)
-    model.stop_training = False
-    run.callbacks.on_train_begin()
-    logs = None
-    for epoch in range(run.start_epoch, run.epochs):
+def _fit(model, x, y, step, callbacks, fit_arguments, history, cluster, checkpoint, guard_callback):
+    for attempt in (0, 1):
+        step.install()
         try:
-            logs = _run_epoch(run, epoch)
-        except PEER_FAILURES as error:
-            # Any collective of the epoch, not only the step's: e.g. reading the metrics'
-            # sync-on-read variables for the logs is an eager all-reduce across workers.
-            if run.cluster is None:
-                raise
-            raise run.lost(error, epoch) from error
-        if model.stop_training:
-            break
-    if run.start_epoch < run.epochs:
-        # As fit does at the end: e.g. write the optimizer's moving averages (use_ema).
-        run.optimizer.finalize_variable_values(model.trainable_weights)
-    run.callbacks.on_train_end(logs=logs)
-    return run.history
+            model.fit(x, y, callbacks=callbacks, **fit_arguments)
+            return history
+        except tf.errors.OpError as error:
+            # Every collective of the run is inside this call: the steps', reading the
+            # metrics for the logs (an eager all-reduce), the callbacks', validation's and
+            # the checkpoint's; any of them failing because a peer is gone is a
+            # WorkerLostError, so the survivor exits (the kill matrix covers each moment).
+            if cluster is not None and isinstance(error, PEER_FAILURES):
+                raise cluster.lost(error, guard_callback.epoch, history, checkpoint) from error
+            if attempt == 0 and model.jit_compile and history.steps == 0 and _tf_internals.looks_like_xla_failure(
+                error
+            ):
+                warnings.warn(
+                    f"XLA could not compile the training step ({_tf_internals.xla_failure_summary(error)}); "
+                    "training without XLA. Pass jit_compile=False to skip this attempt.",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                model.jit_compile = False
+                step.forget_functions()
+                continue
+            raise
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
-# --------------------------------------------------------------------------------------
-# One epoch: host calls, records, adaptation
-# --------------------------------------------------------------------------------------
+def _check_model(model) -> None:
+    trainer = all(callable(getattr(model, name, None)) for name in ("fit", "compile", "train_step"))
+    if not (isinstance(model, keras.layers.Layer) and trainer):
+        kind = "a Keras layer that is not a model" if isinstance(model, keras.layers.Layer) else type(model).__name__
+        raise TypeError(f"model must be a Keras model (keras.Model, e.g. keras.Sequential([layer])), got {kind}")
 
 
-def _run_epoch(run: Run, epoch: int) -> dict[str, Any]:
-    """One epoch, driven as ``fit`` drives it; returns the epoch's logs."""
-    history, model = run.history, run.model
-    model.reset_metrics()
-    run.callbacks.on_epoch_begin(epoch)
-    iterator = run.shared_iterator if run.shared_iterator is not None else iter(run.distributed)
-    epoch_start = history.steps
-    applied_losses: list[float] = []
-    consecutive = history.trailing_nonfinite()
-    done = False
-    while not done and not model.stop_training:
-        steps_asked = run.runner.steps_per_call
-        if run.known_length:
-            steps_asked = min(steps_asked, run.steps_per_epoch - (history.steps - epoch_start))
-        begin_step = history.steps - epoch_start
-        run.callbacks.on_train_batch_begin(begin_step)
-        result = _host_call(run, iterator, epoch, steps_asked, consecutive)
-        if result is _RETRY:  # the runner changed before any step ran: ask again
-            continue
-        if result is _RETRY_FRESH:  # ... and the failed call may have consumed a batch
-            iterator = iter(run.distributed)
-            if run.shared_iterator is not None:
-                run.shared_iterator = iterator
-            continue
-        out, elapsed = result
-        steps, consecutive = int(out["steps"]), int(out["consecutive"])
-        if run.known_length:
-            done = history.steps + steps - epoch_start >= run.steps_per_epoch
-        else:
-            done = bool(out["done"])
-        _record(run, out, epoch, applied_losses)
-        _watch_loss_scale(run)
-        if consecutive >= run.limit:
-            raise _nonfinite_error(history, consecutive, run.limit, run.on_nonfinite, run.loss_scaled)
-        if steps:
-            run.callbacks.on_train_batch_end(begin_step + steps - 1, _logs(run, epoch_start, final=False))
-        _adapt_steps_per_call(run.runner, steps, elapsed)
-    return _end_epoch(run, epoch, epoch_start, applied_losses)
-
-
-def _logs(run: Run, epoch_start: int, *, final: bool) -> dict[str, Any]:
-    """The logs ``fit`` would pass to callbacks (the model's metrics), plus skipped steps."""
-    logs = {}
-    for name, value in run.model.get_metrics_result().items():
-        value = np.asarray(value)
-        logs[name] = float(value) if value.ndim == 0 else value.tolist()
-    skipped = len(run.history.skipped) - bisect.bisect_left(run.history.skipped, epoch_start)
-    if final or skipped:
-        logs["skipped"] = skipped
-    return logs
-
-
-_RETRY = object()
-_RETRY_FRESH = object()
-
-
-def _host_call(run: Run, iterator, epoch: int, steps_asked: int, consecutive: int):
-    """Run up to ``steps_asked`` steps: their records and the seconds they took.
-
-    Returns ``_RETRY`` (same iterator) or ``_RETRY_FRESH`` (new iterator) when the
-    runner had to change before any step was applied.
-
-    Two fall-backs are found on the first call, before any step has been applied: an
-    update that cannot be masked (it is then put under a conditional) and a step XLA
-    cannot compile (it then runs without XLA, with a warning).
-    """
-    runner = run.runner
-    started = time.perf_counter()
-    try:
-        out = runner.run(iterator, steps_asked, consecutive, run.limit, run.known_length)
-    except UnmaskableUpdate:
-        model_cache(run.model)[("unmaskable", id(run.optimizer))] = True
-        run.runner = run.make_runner(jit=runner.jit, masked=False)
-        return _RETRY
-    except tf.errors.OpError as error:
-        if run.cluster is not None and isinstance(error, PEER_FAILURES):
-            raise run.lost(error, epoch) from error
-        if runner.jit and not runner.verified and _tf_internals.looks_like_xla_failure(error):
-            warnings.warn(
-                f"XLA could not compile the training step ({_tf_internals.xla_failure_summary(error)}); "
-                "training without XLA. Pass jit_compile=False to skip this attempt.",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-            run.runner = run.make_runner(jit=False)
-            run.model.jit_compile = False  # model.evaluate (validation) would fail the same way
-            return _RETRY_FRESH
-        raise
-    elapsed = time.perf_counter() - started
-    if run.cluster is not None:
-        # Every worker must ask for the same number of steps per call.
-        try:
-            elapsed = float(run.cluster.gather(elapsed).max())
-        except PEER_FAILURES as error:
-            raise run.lost(error, epoch) from error
-    runner.verified = True
-    run.history.xla = runner.jit
-    run.history.update = runner.mode
-    return out, elapsed
-
-
-def _record(run: Run, out: dict[str, np.ndarray], epoch: int, applied_losses: list[float]) -> None:
-    """Append the steps of one host call to the history, with a report per skipped step."""
-    history = run.history
-    first_index = history.steps
-    scalars = out["scalars"]
-    skip_rows = {int(k): row for row, k in enumerate(out["skip_index"])}
-    for k in range(int(out["steps"])):
-        index = first_index + k
-        step_loss = float(scalars[k, 0])
-        history.step_loss.append(step_loss)
-        history.grad_norm.append(float(scalars[k, 1]))
-        scale = float(scalars[k, 3]) if run.loss_scaled else None
-        if run.loss_scaled:
-            history.loss_scale.append(scale)
-        if scalars[k, 2] > 0.5:
-            applied_losses.append(step_loss)
-            continue
-        history.skipped.append(index)
-        nan_counts, inf_counts = out["counts"][skip_rows[k]]
-        records = [
-            GradientRecord(
-                path=str(v.path),
-                shape=tuple(int(d) for d in v.shape),
-                nan_count=int(nan_counts[i]),
-                inf_count=int(inf_counts[i]),
-                max_abs=None,
-            )
-            for i, v in enumerate(run.runner.variables)
-            if nan_counts[i] or inf_counts[i]
-        ]
-        history.reports.append(
-            SkippedStep(
-                step=index, epoch=epoch, loss=step_loss, gradients=GradientReport(records), loss_scale=scale,
-                grad_norm=history.grad_norm[-1],
-                # The NaN doctor, once per run: on the first skipped step only (on every
-                # worker: the hook's exchange is a collective every worker must join).
-                diagnosis=None if history.reports else diagnose_skipped_step(run, index),
-            )
+def _check_scope(model, strategy) -> None:
+    outside = [v.path for v in model.variables if not strategy.extended.variable_created_in_scope(v.value)]
+    if outside:
+        raise ValueError(
+            f"the model's variables (e.g. {outside[0]!r}) were not created under the strategy's scope; "
+            "create the model and the optimizer inside `with strategy.scope():`"
         )
 
 
-def _watch_loss_scale(run: Run) -> None:
-    """Warn once if the dynamic loss scale fell so low that the NaNs cannot be overflow."""
-    history = run.history
-    if not run.loss_scaled or history.loss_scale_stalled:
+def _compile_identity(value):
+    """What identifies a compile argument: strings and numbers by value, objects by identity."""
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _compile_identity(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_compile_identity(v) for v in value)
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return ("object", id(value))
+
+
+def _compile(model, x, y, *, loss, optimizer, **options) -> None:
+    """``model.compile`` with these arguments, unless the model is compiled so already."""
+    if isinstance(optimizer, SkipNonFinite):
+        optimizer = optimizer.inner_optimizer  # train guards by itself
+    if optimizer is None:
+        optimizer = "rmsprop"  # compile's default
+    if options["steps_per_execution"] is None:
+        options["steps_per_execution"] = 1
+    key = _compile_identity((loss, optimizer, sorted(options.items())))
+    cache = model_cache(model)
+    current = getattr(model, "optimizer", None)
+    same_optimizer = current is optimizer or getattr(current, "inner_optimizer", None) is optimizer
+    if cache.get("compiled") == key and same_optimizer and getattr(model, "compiled", False):
         return
-    current = float(tf.convert_to_tensor(run.runner.loss_scaler.dynamic_scale).numpy())
-    if current <= STALLED_LOSS_SCALE:
-        history.loss_scale_stalled = True
-        warnings.warn(
-            f"the dynamic loss scale fell to {current:g} by step {history.steps - 1}: the gradients are "
-            "non-finite even without float16 overflow, so loss scaling cannot fix them (and small "
-            "gradients now underflow). Look for the NaN with companion.diagnostics.locate_nonfinite.",
-            RuntimeWarning,
-            stacklevel=4,
-        )
+    if isinstance(x, tf.data.Dataset) and loss is not None and not isinstance(loss, (dict, list, tuple)):
+        _check_target_shapes(model, loss, x.element_spec)
+    optimizer = _loss_scaled(model, optimizer, options["auto_scale_loss"])
+    model.compile(optimizer=optimizer, loss=loss, **options)
+    cache["compiled"] = key
 
 
-def _adapt_steps_per_call(runner: Runner, steps: int, elapsed: float) -> None:
-    """Aim for a few host calls per second; the number of steps per call does not change results."""
-    requested = runner.steps_per_call
-    if steps == requested and elapsed < TARGET_SECONDS_PER_CALL / 2:
-        runner.steps_per_call = min(requested * 2, MAX_STEPS_PER_CALL)
-    elif elapsed > 2 * TARGET_SECONDS_PER_CALL and requested > 1 and steps > 1:
-        runner.steps_per_call = max(requested // 2, 1)
+def _loss_scaled(model, optimizer, auto_scale_loss):
+    """The optimizer in a ``LossScaleOptimizer`` if some layer computes in float16.
+
+    ``compile`` wraps it only when the *model's* policy is ``mixed_float16`` (the global
+    policy); a model whose layers were given ``dtype="mixed_float16"`` one by one would
+    then train in float16 without loss scaling, and small gradients underflow.
+    """
+    if not auto_scale_loss or isinstance(optimizer, (str, keras.optimizers.LossScaleOptimizer)):
+        return optimizer
+    if getattr(getattr(model, "dtype_policy", None), "name", None) == "mixed_float16":
+        return optimizer  # compile wraps it
+    policies = {getattr(getattr(layer, "dtype_policy", None), "name", None) for layer in _tf_internals.all_layers(model)}
+    if "mixed_float16" in policies and isinstance(optimizer, keras.optimizers.Optimizer):
+        return keras.optimizers.LossScaleOptimizer(optimizer)
+    return optimizer
 
 
-def _end_epoch(run: Run, epoch: int, epoch_start: int, applied_losses: list[float]) -> dict[str, Any]:
-    """Close the epoch: its logs (validation included), callbacks, history, checkpoint."""
-    history = run.history
-    epoch_steps = history.steps - epoch_start
-    if epoch_steps == 0:
-        raise ValueError("dataset yielded no batch in this epoch")
-    history.epoch_steps.append(epoch_steps)
-    history.epoch_loss.append(float(np.mean(applied_losses)) if applied_losses else float("nan"))
-    logs = _logs(run, epoch_start, final=True)
-    if run.validation is not None:
-        try:
-            results = run.model.evaluate(run.validation, callbacks=run.callbacks, return_dict=True, verbose=0)
-        except PEER_FAILURES as error:
-            if run.cluster is None:
-                raise
-            raise run.lost(error, epoch) from error
-        logs.update({f"val_{name}": float(np.asarray(value)) for name, value in results.items()})
-    run.callbacks.on_epoch_end(epoch, logs)
-    # What Keras' History recorded: the logs after every callback added to them (e.g.
-    # learning_rate); the earlier epochs of a resumed run come from the checkpoint.
-    recorded = next(c for c in run.callbacks.callbacks if isinstance(c, keras.callbacks.History)).history
-    for name, values in recorded.items():
-        history.history.setdefault(name, []).append(values[-1])
-    if run.checkpoint is not None:
-        try:
-            run.checkpoint.save(epoch + 1, history)
-        except PEER_FAILURES as error:
-            if run.cluster is None:
-                raise
-            raise run.lost(error, epoch) from error
-    return logs
+def _check_target_shapes(model, loss, spec) -> None:
+    """Keras' own losses: targets that would broadcast into a wrong comparison raise now."""
+    if not (isinstance(spec, tuple) and len(spec) >= 2 and isinstance(spec[1], tf.TensorSpec)):
+        return
+    if not model.built or not isinstance(spec[0], tf.TensorSpec):
+        return
+    try:
+        predictions = model.compute_output_spec(keras.KerasTensor(spec[0].shape, dtype=spec[0].dtype.name))
+    except Exception:  # noqa: BLE001 - a model that cannot say: nothing to check
+        return
+    if isinstance(predictions, keras.KerasTensor):
+        check_keras_loss_shapes(loss, spec[1], predictions)
 
 
-def _nonfinite_error(history, consecutive, limit, on_nonfinite, loss_scaled) -> NonFiniteError:
-    reports = tuple(history.reports[-consecutive:])
-    last = reports[-1]
-    if on_nonfinite == "raise":
-        head = f"non-finite loss or gradients at step {last.step} (epoch {last.epoch}) with on_nonfinite='raise'"
-    else:
-        head = (
-            f"{consecutive} consecutive steps with non-finite loss or gradients "
-            f"(max_consecutive_nonfinite={limit}), the last at step {last.step} (epoch {last.epoch})"
-        )
-    if last.gradients:
-        variables = ", ".join(f"{r.path} ({r.nan_count} NaN, {r.inf_count} Inf)" for r in last.gradients)
-        detail = f"loss {last.loss:.6g}; non-finite gradients in {variables}"
-    else:
-        detail = f"loss {last.loss:.6g}; {last.cause()}"
-    if loss_scaled:
-        detail += f"; loss scale {reports[0].loss_scale:g} -> {last.loss_scale:g}"
-    good = reports[0].step - 1
-    state = f"after step {good}" if good >= 0 else "at the start of training"
-    return NonFiniteError(
-        f"{head}: {detail}. No update was applied on these steps: the weights and optimizer state are those {state}.",
-        step=last.step,
-        epoch=last.epoch,
-        reports=reports,
-        history=history,
+def _build(model, x) -> None:
+    """Build an unbuilt model from a dataset's element spec (fit would at its first step)."""
+    if model.built or not isinstance(x, tf.data.Dataset):
+        return
+    spec = x.element_spec
+    inputs = spec[0] if isinstance(spec, tuple) else spec
+    try:
+        model(tf.nest.map_structure(lambda s: keras.KerasTensor(s.shape, dtype=s.dtype.name), inputs))
+    except Exception:  # noqa: BLE001 - fit builds it at its first step instead
+        pass
+
+
+def _steps_per_execution(x, batch_size, steps_per_epoch, validation_split, whole_epochs_only=False) -> int:
+    """Steps per host call when no one asked for per-step hooks: up to an epoch.
+
+    With ``whole_epochs_only`` (an older Keras that drops a short last call), only an
+    epoch of at most ``MAX_STEPS_PER_EXECUTION`` batches runs in one call; else 1.
+    """
+    batches = None
+    if steps_per_epoch:
+        batches = int(steps_per_epoch)
+    elif isinstance(x, tf.data.Dataset):
+        cardinality = int(x.cardinality())
+        batches = cardinality if cardinality > 0 else None
+    elif isinstance(x, (np.ndarray, tf.Tensor)) or (
+        isinstance(x, (list, tuple, dict)) and all(hasattr(v, "shape") for v in tf.nest.flatten(x))
+    ):
+        first = tf.nest.flatten(x)[0]
+        rows = int(first.shape[0]) if first.shape and first.shape[0] is not None else None
+        if rows is not None:
+            rows = int(rows * (1 - (validation_split or 0.0)))
+            batches = max(1, math.ceil(rows / (batch_size or 32)))
+    if batches is None or (whole_epochs_only and batches > MAX_STEPS_PER_EXECUTION):
+        return 1
+    return max(1, min(batches, MAX_STEPS_PER_EXECUTION))
+
+
+def _guarded_step(model, strategy, *, guard, clip, limit) -> GuardedStep:
+    """The cached :class:`GuardedStep` for this set-up (a new one after ``compile``)."""
+    cache = model_cache(model)
+    key = (
+        "step", id(model.optimizer), id(strategy), guard, clip, limit, int(model.steps_per_execution),
+        tuple(id(v) for v in model.trainable_variables), tuple(id(v) for v in model.metrics_variables),
+        tuple(id(v) for v in model.non_trainable_variables),
     )
+    step = cache.get(key)
+    if step is None or step.optimizer is not model.optimizer:
+        step = GuardedStep(
+            model, strategy, capacity=int(model.steps_per_execution), guard=guard, clip=clip, limit=limit
+        )
+        cache[key] = step
+    return step
+
+
+def _resume(model, cluster, checkpoint_dir) -> tuple[TrainingHistory, int, TrainingCheckpoint | None]:
+    """The history and the number of completed epochs: from the latest checkpoint, if any."""
+    history, start_epoch, checkpoint = TrainingHistory(), 0, None
+    if checkpoint_dir is not None:
+        checkpoint = TrainingCheckpoint(checkpoint_dir, model, model.optimizer, cluster)
+        restored = checkpoint.restore()
+        if restored is not None:
+            start_epoch, history = restored
+    if cluster is not None:
+        try:
+            restored_epochs = sorted({int(v) for v in cluster.gather(start_epoch)[:, 0]})
+        except PEER_FAILURES as error:
+            raise cluster.lost(error, start_epoch, history, checkpoint) from error
+        if len(restored_epochs) > 1:
+            raise ValueError(
+                f"the workers restored different checkpoints from {checkpoint_dir!r} (after epochs "
+                f"{restored_epochs}; {cluster.task} after epoch {start_epoch}): every worker must see the chief's "
+                "checkpoint_dir, e.g. on a shared file system"
+            )
+    return history, start_epoch, checkpoint
+
+
+class _CheckpointCallback(keras.callbacks.Callback):
+    """Saves the :class:`TrainingCheckpoint` at every epoch end (after ``History``)."""
+
+    def __init__(self, checkpoint: TrainingCheckpoint, history: TrainingHistory) -> None:
+        super().__init__()
+        self.checkpoint = checkpoint
+        self.training_history = history
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.checkpoint.save(epoch + 1, self.training_history)

@@ -13,6 +13,7 @@ import json
 import math
 from typing import Any
 
+import keras
 import numpy as np
 
 from companion.diagnostics import Diagnosis, GradientRecord, GradientReport
@@ -126,13 +127,26 @@ class SkippedStep:
         )
 
 
+def _plain(value):
+    """A log value as JSON can hold it (a non-scalar metric as a list)."""
+    array = np.asarray(value)
+    if array.ndim == 0:
+        return array.item() if array.dtype.kind in "biuf" else value
+    return array.tolist()
+
+
 def _size(shape: tuple[int, ...]) -> int:
     return int(np.prod(shape, dtype=np.int64)) if shape else 1
 
 
-@dataclasses.dataclass
-class TrainingHistory:
-    """What :func:`train` did, step by step.
+@dataclasses.dataclass(eq=False)
+class TrainingHistory(keras.callbacks.History):
+    """What :func:`train` did, step by step; also the ``keras.callbacks.History`` of the run.
+
+    ``train`` returns it where ``fit`` returns its ``History``, and it is one: ``.history``
+    (the logs of every epoch, with exactly ``fit``'s keys), ``.epoch`` (the epoch
+    indices run) and ``.params`` (``verbose``, ``epochs``, ``steps``) are ``fit``'s, and
+    ``model.history`` is this object. Skipped steps are reported here, never in the logs.
 
     All step indices are 0-based and count over all epochs, so ``step_loss[i]`` and
     ``grad_norm[i]`` describe step ``i`` and ``skipped`` lists positions in them.
@@ -154,18 +168,20 @@ class TrainingHistory:
             the non-finite gradients were then not an overflow that a smaller scale can
             fix (a warning is issued at the same time).
         xla: whether the steps ran XLA-compiled (``None`` before the first step).
-        history: per completed epoch, the logs ``model.fit`` would record in its
+        history: per completed epoch, the logs ``model.fit`` records in its
             :class:`keras.callbacks.History`: ``loss`` (the batch-size-weighted mean of
             the applied steps' losses), each metric, ``val_`` entries with
-            ``validation_data``, whatever callbacks add (e.g. ``learning_rate``), and
-            ``skipped``, the number of skipped steps of the epoch.
+            ``validation_data``, and whatever callbacks add (e.g. ``learning_rate``);
+            the same keys as ``fit``'s.
+        epoch: the indices of the epochs run, as ``History.epoch`` (with a checkpoint,
+            the restored epochs too).
         update: how the last step's update was compiled (``None`` before the first
-            step): ``"masked"`` (one XLA function; every variable write selects between
-            the new and the old value), ``"whole"`` (one XLA function, the update under
-            a conditional), ``"split"`` (the update as an XLA function of its own, from
-            2**20 parameters on), or ``"graph"`` (several replicas, or no XLA). The
-            results are the same; only the speed differs (chapter *The guarded training
-            loop*).
+            step): ``"masked"`` (every variable write of the update selects between the
+            new and the old value, fused into the update under XLA), ``"whole"`` (the
+            update under a conditional, e.g. with a loss scaler or an update that cannot
+            be masked), ``"graph"`` (several replicas, or no XLA), or ``"unguarded"``
+            (``on_nonfinite="ignore"``). The results are the same; only the speed
+            differs (chapter *The guarded training loop*).
     """
 
     step_loss: list[float] = dataclasses.field(default_factory=list)
@@ -179,6 +195,16 @@ class TrainingHistory:
     xla: bool | None = None
     update: str | None = None
     history: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    epoch: list[int] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # keras.callbacks.Callback's own state (History.__init__ would reset .history).
+        self.params = None
+        self._model = None
+
+    def on_train_begin(self, logs=None):
+        """As ``History``, but the epochs restored from a checkpoint stay recorded."""
+        self.epoch = list(self.epoch)
 
     @property
     def steps(self) -> int:
@@ -202,6 +228,7 @@ class TrainingHistory:
     def to_json(self) -> str:
         """The history as a JSON string (NaN and Inf are written as JavaScript literals)."""
         data = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        data["history"] = {k: [_plain(v) for v in values] for k, values in self.history.items()}
         data["reports"] = [r.to_dict() for r in self.reports]
         return json.dumps(data)
 
