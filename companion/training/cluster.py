@@ -48,9 +48,10 @@ def _gather_function(strategy: tf.distribute.Strategy):
     """The ``tf.function`` that runs :func:`_replica_rows` on every replica of ``strategy``.
 
     One per strategy, whose input's length is unknown when it is traced: it compiles
-    once for every length and every run. A function per run, or one that is traced again
-    for each new length, would retrace under the same Python code, which TensorFlow
-    counts (and warns about: "triggered tf.function retracing") across functions.
+    once for every length and every run. TensorFlow counts the traces of one Python
+    function over every ``tf.function`` made of it, and warns ("triggered tf.function
+    retracing") after five in ten calls: a function per run, or one traced again for
+    each new length, would.
     """
     function = _GATHERS.get(strategy)
     if function is None:
