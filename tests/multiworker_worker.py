@@ -8,7 +8,8 @@ poisoned run and ``--jit``.
 
 - ``main``: a clean run (4 epochs), a run with a NaN in the part of batch 1 that only
   worker 1 receives, a run whose square root at 0 in worker 1's part of batch 1 the NaN
-  doctor diagnoses, and the NaN run with ``on_nonfinite="raise"``;
+  doctor diagnoses, the NaN run with ``on_nonfinite="raise"``, then the cluster's
+  all-reduce of 1, 3 and 1024 values;
 - ``clean``: the clean run only;
 - ``die``: the clean run with ``checkpoint_dir``; worker ``--die-worker`` kills itself
   (SIGKILL, no clean-up) when its input pipeline reaches batch ``--die-at-batch``;
@@ -143,6 +144,14 @@ if options.scenario == "main":
     except NonFiniteError as error:
         result["raised"] = {"step": error.step, "epoch": error.epoch, "message": str(error),
                             "iterations": int(optimizer.iterations.numpy())}
+    # The all-reduce of every run above (the loop's one number, the doctor's three and
+    # 512): one compiled function of the strategy, whatever the length, in every run.
+    from companion.training.cluster import Cluster, _gather_function
+
+    result["gather"] = {
+        "rows": [Cluster(strategy).gather(*(1000.0 * task + np.arange(n))).tolist() for n in (1, 3, 1024)],
+        "traces": int(_gather_function(strategy).experimental_get_tracing_count()),
+    }
 if options.scenario in ("die", "resume"):
     model, optimizer = model_and_optimizer()
     try:

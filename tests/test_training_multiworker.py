@@ -45,6 +45,7 @@ def run_workers(directory: pathlib.Path, scenario: str, workers: int, *args: str
         path = out / f"{scenario}-worker-{index}.json"
         if path.exists():
             reports[index] = json.loads(path.read_text())
+            reports[index]["output"] = result.workers[index].output  # stdout and stderr
     return result, reports
 
 
@@ -192,6 +193,23 @@ def test_the_nan_doctor_names_the_worker_whose_shard_made_the_nan_on_every_worke
     assert (poisoned.worker, poisoned.batch, poisoned.cause) == (1, 1, "nonfinite_input")
     assert poisoned.inputs_summary.startswith("worker 1's shard made the NaN; 1 of 12 entries of x")
     assert TrainingHistory.from_json(first["poisoned"]["history"]).reports[1].diagnosis is None
+
+
+@pytest.mark.slow
+def test_the_cluster_gathers_every_length_exactly_with_one_compiled_function(two_workers):
+    for report in two_workers.values():
+        rows = report["gather"]["rows"]
+        for n, got in zip((1, 3, 1024), rows):
+            np.testing.assert_array_equal(np.array(got), [np.arange(n), 1000.0 + np.arange(n)])
+        # Traced once in this process: for the four runs of the scenario, the doctor's
+        # rows and payloads, and the 1, 3 and 1024 values above.
+        assert report["gather"]["traces"] == 1
+
+
+@pytest.mark.slow
+def test_no_worker_warns_that_a_tf_function_retraces(two_workers, three_workers):
+    for report in [*two_workers.values(), *three_workers.values()]:
+        assert "retracing" not in report["output"], report["output"][-3000:]
 
 
 @pytest.mark.slow

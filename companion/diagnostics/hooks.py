@@ -160,15 +160,15 @@ def _encode(found: Diagnosis | None) -> bytes:
 def _name_worker(run, found: Diagnosis | None) -> Diagnosis | None:
     """Give every worker the same diagnosis: the first worker's whose shard made the NaN.
 
-    Two all-reduces that every worker joins with the same shapes: (found?, length of
-    the encoded diagnosis) per replica, then the chosen worker's bytes (exact in
-    float32: integers below 256).
+    Two all-reduces that every worker joins with the same shapes, both by
+    :meth:`~companion.training.cluster.Cluster.gather` (whose one compiled function
+    serves every length): (found?, length of the encoded diagnosis, identity) per
+    replica, then the chosen worker's bytes (exact in float32: integers below 256).
     """
     local = _local_replicas(run)
     mine = _encode(found)
     me = _identity(run)
-    exchange = _Exchange(run.strategy)
-    rows = exchange(1.0 if found is not None else 0.0, float(len(mine)), me)
+    rows = run.cluster.gather(1.0 if found is not None else 0.0, float(len(mine)), me)
     workers = sorted({r // local for r in range(rows.shape[0]) if rows[r, 0] > 0.5})
     if not workers:
         return None
@@ -178,32 +178,11 @@ def _name_worker(run, found: Diagnosis | None) -> Diagnosis | None:
     payload = np.zeros(width, np.float32)
     if found is not None and rows[chosen * local, 2] == me:
         payload[: len(mine)] = np.frombuffer(mine, np.uint8)
-    received = exchange(*payload)
+    received = run.cluster.gather(*payload)
     data = bytes(np.rint(received[chosen * local, :length]).astype(np.uint8).tolist())
     theirs = Diagnosis.from_dict(json.loads(data.decode()))
     named = "worker " + ", ".join(str(w) for w in workers) + "'s shard made the NaN"
     return dataclasses.replace(theirs, worker=chosen, inputs_summary=f"{named}; {theirs.inputs_summary}")
-
-
-class _Exchange:
-    """``values`` of every replica, one row per replica: one all-reduce per call.
-
-    As :meth:`companion.training.cluster.Cluster.gather`, in a function of its own, so
-    the doctor's two shapes do not retrace (and warn about) the loop's.
-    """
-
-    def __init__(self, strategy) -> None:
-        def rows(value):
-            context = tf.distribute.get_replica_context()
-            one_hot = tf.one_hot(context.replica_id_in_sync_group, context.num_replicas_in_sync)[:, None]
-            return context.all_reduce(tf.distribute.ReduceOp.SUM, one_hot * value[None, :])
-
-        self.strategy = strategy
-        self._run = tf.function(lambda value: strategy.run(rows, args=(value,)), autograph=False)
-
-    def __call__(self, *values: float) -> np.ndarray:
-        result = self._run(tf.constant(np.asarray(values, np.float32)))
-        return self.strategy.experimental_local_results(result)[0].numpy()
 
 
 def _identity(run) -> float:

@@ -10,6 +10,7 @@ import atexit
 import os
 import sys
 import threading
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -27,6 +28,43 @@ PEER_FAILURES = (
 )
 
 
+def _replica_rows(value: tf.Tensor) -> tf.Tensor:
+    """``value`` of every replica, one row per replica: one all-reduce in a replica context.
+
+    Each replica puts its ``value`` in its own row of zeros and the rows are summed:
+    exact, and it works on values that live on no particular device, unlike
+    ``all_gather``.
+    """
+    context = tf.distribute.get_replica_context()
+    rows = tf.one_hot(context.replica_id_in_sync_group, context.num_replicas_in_sync)[:, None]
+    return context.all_reduce(tf.distribute.ReduceOp.SUM, rows * value[None, :])
+
+
+#: The compiled :func:`_replica_rows` of each strategy (a :class:`Cluster` is made per run).
+_GATHERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _gather_function(strategy: tf.distribute.Strategy):
+    """The ``tf.function`` that runs :func:`_replica_rows` on every replica of ``strategy``.
+
+    One per strategy, whose input's length is unknown when it is traced: it compiles
+    once for every length and every run. TensorFlow counts the traces of one Python
+    function over every ``tf.function`` made of it, and warns ("triggered tf.function
+    retracing") after five in ten calls: a function per run, or one traced again for
+    each new length, would.
+    """
+    function = _GATHERS.get(strategy)
+    if function is None:
+        ref = weakref.ref(strategy)  # the cache must not keep its own key alive
+        function = tf.function(
+            lambda value: ref().run(_replica_rows, args=(value,)),
+            input_signature=[tf.TensorSpec([None], tf.float32)],
+            autograph=False,
+        )
+        _GATHERS[strategy] = function
+    return function
+
+
 class Cluster:
     """The workers of a multi-worker strategy, as :func:`train` sees them."""
 
@@ -38,7 +76,6 @@ class Cluster:
         spec = resolver.cluster_spec()
         self.workers = sum(spec.num_tasks(job) for job in spec.jobs if job in ("chief", "worker"))
         self.is_chief = bool(strategy.extended.should_checkpoint)
-        self._gather = None
 
     @classmethod
     def of(cls, strategy: tf.distribute.Strategy) -> "Cluster | None":
@@ -52,18 +89,14 @@ class Cluster:
         return f"{self.task_type} {self.task_id}"
 
     def gather(self, *values: float) -> np.ndarray:
-        """``values`` of every replica, one row per replica (one small all-reduce)."""
-        if self._gather is None:
+        """``values`` of every replica, one row per replica (one small all-reduce).
 
-            def gather(value):
-                # An all-reduce of one row per replica, zeros elsewhere: exact, and it
-                # works on values that live on no particular device, unlike all_gather.
-                context = tf.distribute.get_replica_context()
-                rows = tf.one_hot(context.replica_id_in_sync_group, context.num_replicas_in_sync)[:, None]
-                return context.all_reduce(tf.distribute.ReduceOp.SUM, rows * value[None, :])
-
-            self._gather = tf.function(lambda value: self.strategy.run(gather, args=(value,)), autograph=False)
-        result = self._gather(tf.constant(values, tf.float32))
+        Every worker must call it with the same number of values. It runs
+        :func:`_gather_function`, traced once per strategy for every length, so the
+        loop's one number and the NaN doctor's rows and payloads
+        (:mod:`companion.diagnostics.hooks`) never retrace it, in any number of runs.
+        """
+        result = _gather_function(self.strategy)(tf.constant(np.asarray(values, np.float32)))
         return self.strategy.experimental_local_results(result)[0].numpy()
 
     def lost(self, error: Exception, epoch: int, history: TrainingHistory, checkpoint) -> WorkerLostError:
