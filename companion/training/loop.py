@@ -27,6 +27,7 @@ from companion.training.results import TrainingHistory, WorkerLostError
 #: The most steps one host call runs when ``train`` chooses ``steps_per_execution``.
 MAX_STEPS_PER_EXECUTION = 1024
 
+
 def train(
     model: keras.Model,
     x: Any = None,
