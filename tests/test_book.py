@@ -274,7 +274,6 @@ LONG_CELL_EXCEPTIONS = {
     ("case_a/fixed_parameternet.ipynb", "82e7f1a1"): 37,  # cell 4: family = "power_law"
     ("case_a/fixed_parameternet.ipynb", "f68c1a0a"): 34,  # cell 6: (xs, ys), _ = next(iter(data))
     ("case_a/fixed_parameternet.ipynb", "5ccce864"): 39,  # cell 11: without_signed = tuple(f for f in FIXES 
-    ("case_a/log_exp_power.ipynb", "3d2bb298"): 29,  # cell 28: # 1. One Adam step with a gradient of fi
     ("case_a/reproduce.ipynb", "8401cf50"): 33,  # cell 6: try:
     ("case_a/reproduce.ipynb", "bbe81d80"): 28,  # cell 25: xs_sqrt, ys_sqrt = targets.sample("sqrt"
     ("case_a/scaled_attention.ipynb", "5d5bf0a8"): 44,  # cell 6: measured = {"unscaled": [], "scaled": []
