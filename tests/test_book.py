@@ -276,11 +276,6 @@ LONG_CELL_EXCEPTIONS = {
     ("case_a/fixed_parameternet.ipynb", "5ccce864"): 39,  # cell 11: without_signed = tuple(f for f in FIXES 
     ("case_a/reproduce.ipynb", "8401cf50"): 33,  # cell 6: try:
     ("case_a/reproduce.ipynb", "bbe81d80"): 28,  # cell 25: xs_sqrt, ys_sqrt = targets.sample("sqrt"
-    ("case_a/scaled_attention.ipynb", "5d5bf0a8"): 44,  # cell 6: measured = {"unscaled": [], "scaled": []
-    ("case_a/scaled_attention.ipynb", "7e7565d2"): 32,  # cell 23: layer = keras.layers.MultiHeadAttention(
-    ("case_a/scaled_attention.ipynb", "960d38bb"): 41,  # cell 27: xs, ys = targets.sample("power_law", bat
-    ("case_a/scaled_attention.ipynb", "a85678e2"): 32,  # cell 29: batches = list(
-    ("case_a/scaled_attention.ipynb", "58f42261"): 34,  # cell 31: model = models["('scaled_attention',)"] 
     ("case_b/blending_done_right.ipynb", "d2e4d6f1"): 31,  # cell 17: coefficients = [Fraction(*mpmath.bernfra
     ("case_b/blending_done_right.ipynb", "e5f9e563"): 26,  # cell 25: measured = {}
     ("case_b/training.ipynb", "e689b0d3"): 29,  # cell 4: W_TRUE, B_TRUE = -145.0, 5.0
