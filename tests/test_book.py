@@ -276,8 +276,6 @@ LONG_CELL_EXCEPTIONS = {
     ("case_a/fixed_parameternet.ipynb", "5ccce864"): 39,  # cell 11: without_signed = tuple(f for f in FIXES 
     ("case_a/reproduce.ipynb", "8401cf50"): 33,  # cell 6: try:
     ("case_a/reproduce.ipynb", "bbe81d80"): 28,  # cell 25: xs_sqrt, ys_sqrt = targets.sample("sqrt"
-    ("case_b/blending_done_right.ipynb", "d2e4d6f1"): 31,  # cell 17: coefficients = [Fraction(*mpmath.bernfra
-    ("case_b/blending_done_right.ipynb", "e5f9e563"): 26,  # cell 25: measured = {}
     ("case_b/training.ipynb", "e689b0d3"): 29,  # cell 4: W_TRUE, B_TRUE = -145.0, 5.0
     ("tools/training_across_machines.ipynb", "0ac88301"): 82,  # cell 10: SCRIPT = r"""
     ("tools/training_loop.ipynb", "783cf684"): 27,  # cell 4: rng = np.random.default_rng(0)
