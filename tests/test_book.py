@@ -269,8 +269,6 @@ def test_every_code_and_text_output_line_fits_the_page(path):
 # when it shrinks (show the computation that matters; a plot or drawing goes behind
 # `hide-input`; a table's formatting is html_table's job).
 LONG_CELL_EXCEPTIONS = {
-    ("case_a/clipping_and_guards.ipynb", "13bc44fa"): 36,  # cell 4: data = targets.dataset("power_law", batc
-    ("case_a/clipping_and_guards.ipynb", "0ca21e0a"): 34,  # cell 6: runs, rows = {}, []
     ("case_a/fixed_parameternet.ipynb", "82e7f1a1"): 37,  # cell 4: family = "power_law"
     ("case_a/fixed_parameternet.ipynb", "f68c1a0a"): 34,  # cell 6: (xs, ys), _ = next(iter(data))
     ("case_a/fixed_parameternet.ipynb", "5ccce864"): 39,  # cell 11: without_signed = tuple(f for f in FIXES 
