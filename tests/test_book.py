@@ -269,11 +269,6 @@ def test_every_code_and_text_output_line_fits_the_page(path):
 # when it shrinks (show the computation that matters; a plot or drawing goes behind
 # `hide-input`; a table's formatting is html_table's job).
 LONG_CELL_EXCEPTIONS = {
-    ("case_a/fixed_parameternet.ipynb", "82e7f1a1"): 37,  # cell 4: family = "power_law"
-    ("case_a/fixed_parameternet.ipynb", "f68c1a0a"): 34,  # cell 6: (xs, ys), _ = next(iter(data))
-    ("case_a/fixed_parameternet.ipynb", "5ccce864"): 39,  # cell 11: without_signed = tuple(f for f in FIXES 
-    ("case_a/reproduce.ipynb", "8401cf50"): 33,  # cell 6: try:
-    ("case_a/reproduce.ipynb", "bbe81d80"): 28,  # cell 25: xs_sqrt, ys_sqrt = targets.sample("sqrt"
     ("case_b/training.ipynb", "e689b0d3"): 29,  # cell 4: W_TRUE, B_TRUE = -145.0, 5.0
     ("tools/training_across_machines.ipynb", "0ac88301"): 82,  # cell 10: SCRIPT = r"""
     ("tools/training_loop.ipynb", "783cf684"): 27,  # cell 4: rng = np.random.default_rng(0)
