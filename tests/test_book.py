@@ -269,7 +269,6 @@ def test_every_code_and_text_output_line_fits_the_page(path):
 # when it shrinks (show the computation that matters; a plot or drawing goes behind
 # `hide-input`; a table's formatting is html_table's job).
 LONG_CELL_EXCEPTIONS = {
-    ("case_b/training.ipynb", "e689b0d3"): 29,  # cell 4: W_TRUE, B_TRUE = -145.0, 5.0
     ("tools/training_across_machines.ipynb", "0ac88301"): 82,  # cell 10: SCRIPT = r"""
     ("tools/training_loop.ipynb", "783cf684"): 27,  # cell 4: rng = np.random.default_rng(0)
 }
