@@ -270,7 +270,6 @@ def test_every_code_and_text_output_line_fits_the_page(path):
 # `hide-input`; a table's formatting is html_table's job).
 LONG_CELL_EXCEPTIONS = {
     ("tools/training_across_machines.ipynb", "0ac88301"): 82,  # cell 10: SCRIPT = r"""
-    ("tools/training_loop.ipynb", "783cf684"): 27,  # cell 4: rng = np.random.default_rng(0)
 }
 
 
