@@ -263,16 +263,6 @@ def test_every_code_and_text_output_line_fits_the_page(path):
     )
 
 
-# Visible code cells longer than book_tools.CODE_CELL_LINES when the second edition was merged
-# (issue 22; the rule came in while the chapters were being rewritten),
-# by chapter and cell id, with their length then: each may not grow, and comes off this list
-# when it shrinks (show the computation that matters; a plot or drawing goes behind
-# `hide-input`; a table's formatting is html_table's job).
-LONG_CELL_EXCEPTIONS = {
-    ("tools/training_across_machines.ipynb", "0ac88301"): 82,  # cell 10: SCRIPT = r"""
-}
-
-
 def _visible_code_cells():
     for path, chapter in zip(NOTEBOOKS, IDS):
         for index, cell in enumerate(_load(path)["cells"]):
@@ -282,23 +272,15 @@ def _visible_code_cells():
 
 
 def test_no_visible_code_cell_is_longer_than_the_limit():
+    """A visible cell shows the computation that matters: a plot or drawing goes behind
+    `hide-input`, a table's formatting is html_table's job, helper logic lives in companion,
+    and a long computation is split where a sentence of text can stand between its parts."""
     limit = book_tools.CODE_CELL_LINES
-    problems, seen = [], set()
+    problems = []
     for chapter, index, cell in _visible_code_cells():
         lines = len("".join(cell["source"]).splitlines())
-        key = (chapter, cell.get("id"))
-        allowed = LONG_CELL_EXCEPTIONS.get(key)
-        if allowed is not None:
-            seen.add(key)
-            if lines <= limit:
-                problems.append(f"{chapter} cell {index} ({key[1]}) is {lines} lines now: take it off LONG_CELL_EXCEPTIONS")
-            elif lines > allowed:
-                problems.append(f"{chapter} cell {index} ({key[1]}) grew from {allowed} to {lines} lines")
-        elif lines > limit:
-            problems.append(f"{chapter} cell {index} ({key[1]}) shows {lines} lines of code (at most {limit})")
-    gone = sorted(set(LONG_CELL_EXCEPTIONS) - seen)
-    problems += [f"{chapter} has no visible cell {cell_id} any more: take it off LONG_CELL_EXCEPTIONS"
-                 for chapter, cell_id in gone]
+        if lines > limit:
+            problems.append(f"{chapter} cell {index} ({cell.get('id')}) shows {lines} lines of code (at most {limit})")
     assert not problems, "\n".join(problems)
 
 
