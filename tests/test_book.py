@@ -263,35 +263,6 @@ def test_every_code_and_text_output_line_fits_the_page(path):
     )
 
 
-# Visible code cells longer than book_tools.CODE_CELL_LINES when the second edition was merged
-# (issue 22; the rule came in while the chapters were being rewritten),
-# by chapter and cell id, with their length then: each may not grow, and comes off this list
-# when it shrinks (show the computation that matters; a plot or drawing goes behind
-# `hide-input`; a table's formatting is html_table's job).
-LONG_CELL_EXCEPTIONS = {
-    ("appendix/switch_point.ipynb", "4af7e658"): 28,  # cell 4: Ks = (4, 8, 17)
-    ("case_a/bounded_exponents.ipynb", "f772f34d"): 39,  # cell 6: width = high - low
-    ("case_a/clipping_and_guards.ipynb", "13bc44fa"): 36,  # cell 4: data = targets.dataset("power_law", batc
-    ("case_a/clipping_and_guards.ipynb", "0ca21e0a"): 34,  # cell 6: runs, rows = {}, []
-    ("case_a/fixed_parameternet.ipynb", "82e7f1a1"): 37,  # cell 4: family = "power_law"
-    ("case_a/fixed_parameternet.ipynb", "f68c1a0a"): 34,  # cell 6: (xs, ys), _ = next(iter(data))
-    ("case_a/fixed_parameternet.ipynb", "5ccce864"): 39,  # cell 11: without_signed = tuple(f for f in FIXES 
-    ("case_a/log_exp_power.ipynb", "3d2bb298"): 29,  # cell 28: # 1. One Adam step with a gradient of fi
-    ("case_a/reproduce.ipynb", "8401cf50"): 33,  # cell 6: try:
-    ("case_a/reproduce.ipynb", "bbe81d80"): 28,  # cell 25: xs_sqrt, ys_sqrt = targets.sample("sqrt"
-    ("case_a/scaled_attention.ipynb", "5d5bf0a8"): 44,  # cell 6: measured = {"unscaled": [], "scaled": []
-    ("case_a/scaled_attention.ipynb", "7e7565d2"): 32,  # cell 23: layer = keras.layers.MultiHeadAttention(
-    ("case_a/scaled_attention.ipynb", "960d38bb"): 41,  # cell 27: xs, ys = targets.sample("power_law", bat
-    ("case_a/scaled_attention.ipynb", "a85678e2"): 32,  # cell 29: batches = list(
-    ("case_a/scaled_attention.ipynb", "58f42261"): 34,  # cell 31: model = models["('scaled_attention',)"] 
-    ("case_b/blending_done_right.ipynb", "d2e4d6f1"): 31,  # cell 17: coefficients = [Fraction(*mpmath.bernfra
-    ("case_b/blending_done_right.ipynb", "e5f9e563"): 26,  # cell 25: measured = {}
-    ("case_b/training.ipynb", "e689b0d3"): 29,  # cell 4: W_TRUE, B_TRUE = -145.0, 5.0
-    ("tools/training_across_machines.ipynb", "0ac88301"): 82,  # cell 10: SCRIPT = r"""
-    ("tools/training_loop.ipynb", "783cf684"): 27,  # cell 4: rng = np.random.default_rng(0)
-}
-
-
 def _visible_code_cells():
     for path, chapter in zip(NOTEBOOKS, IDS):
         for index, cell in enumerate(_load(path)["cells"]):
@@ -301,23 +272,15 @@ def _visible_code_cells():
 
 
 def test_no_visible_code_cell_is_longer_than_the_limit():
+    """A visible cell shows the computation that matters: a plot or drawing goes behind
+    `hide-input`, a table's formatting is html_table's job, helper logic lives in companion,
+    and a long computation is split where a sentence of text can stand between its parts."""
     limit = book_tools.CODE_CELL_LINES
-    problems, seen = [], set()
+    problems = []
     for chapter, index, cell in _visible_code_cells():
         lines = len("".join(cell["source"]).splitlines())
-        key = (chapter, cell.get("id"))
-        allowed = LONG_CELL_EXCEPTIONS.get(key)
-        if allowed is not None:
-            seen.add(key)
-            if lines <= limit:
-                problems.append(f"{chapter} cell {index} ({key[1]}) is {lines} lines now: take it off LONG_CELL_EXCEPTIONS")
-            elif lines > allowed:
-                problems.append(f"{chapter} cell {index} ({key[1]}) grew from {allowed} to {lines} lines")
-        elif lines > limit:
-            problems.append(f"{chapter} cell {index} ({key[1]}) shows {lines} lines of code (at most {limit})")
-    gone = sorted(set(LONG_CELL_EXCEPTIONS) - seen)
-    problems += [f"{chapter} has no visible cell {cell_id} any more: take it off LONG_CELL_EXCEPTIONS"
-                 for chapter, cell_id in gone]
+        if lines > limit:
+            problems.append(f"{chapter} cell {index} ({cell.get('id')}) shows {lines} lines of code (at most {limit})")
     assert not problems, "\n".join(problems)
 
 

@@ -376,6 +376,27 @@ def test_the_environment_variable_makes_namespaces_unavailable(monkeypatch, scri
 CHAPTER = ROOT / "book" / "tools" / "training_across_machines.ipynb"
 
 
+def test_the_chapters_worker_script_ships_with_the_package():
+    """The chapter launches companion/data/multiworker_train.py: package data (Colab has no
+    repository around the installed package), declared in pyproject.toml, valid Python, and
+    the script the chapter describes."""
+    import fnmatch
+    import importlib.resources
+
+    shipped = importlib.resources.files("companion") / "data" / "multiworker_train.py"
+    text = shipped.read_text(encoding="utf-8")
+    compile(text, "multiworker_train.py", "exec")
+    for needed in ("MultiWorkerMirroredStrategy()", 'mode == "crash"', "WorkerLostError",
+                   'on_nonfinite="raise"', "model.fit("):
+        assert needed in text, needed
+    # [tool.setuptools.package-data] companion = [...] (no tomllib on Python 3.10)
+    declared = re.search(r"^companion = \[(.*?)\]", (ROOT / "pyproject.toml").read_text(), re.M)
+    patterns = re.findall(r'"([^"]+)"', declared.group(1))
+    assert any(fnmatch.fnmatch("data/multiworker_train.py", p) for p in patterns), patterns
+    cells = json.loads(CHAPTER.read_text(encoding="utf-8"))["cells"]
+    assert any('"multiworker_train.py"' in "".join(c["source"]) for c in cells)  # what it reads
+
+
 @pytest.mark.slow
 def test_the_multiworker_chapter_runs_where_no_private_network_can_be_made(tmp_path):
     """The chapter as a Colab reader without user namespaces runs it: to the end, no error,

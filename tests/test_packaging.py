@@ -95,6 +95,8 @@ def test_wheel_carries_the_licence_and_the_type_marker(distributions):
         assert licences, f"the wheel has no LICENSE under .dist-info/licenses/: {names}"
         assert archive.read(licences[0]) == (book_tools.ROOT / "LICENSE").read_bytes()
         assert "companion/py.typed" in names, "PEP 561: the wheel must carry companion/py.typed"
+        # package data the chapters read where there is no repository (Colab)
+        assert {"companion/data/nan_reports.csv", "companion/data/multiworker_train.py"} <= set(names)
         modules = {n for n in names if n.startswith("companion/") and n.endswith(".py")}
         assert "companion/numerics.py" in modules and "companion/_version.py" in modules
     metadata = _wheel_metadata(wheel)
