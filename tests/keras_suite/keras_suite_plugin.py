@@ -9,7 +9,8 @@ tests/test_keras_suite.py, which runs the pinned selection this way). Options:
   to the argument of ``train`` with the same name: one to one, nothing emulated. A call
   of ``fit`` made by ``train`` itself goes to Keras' ``fit``.
 * ``--fit-record=PATH`` writes, per test, how many times it called ``fit`` and its
-  outcome (JSON), which is how the selection was chosen (tests that call ``fit``).
+  outcome (JSON), which is how the selection was chosen (tests that call ``fit``), and
+  the keras, TensorFlow and companion the run imported.
 """
 
 from __future__ import annotations
@@ -132,11 +133,29 @@ def pytest_runtest_teardown(item):
     _CURRENT["nodeid"] = None
 
 
+def imported() -> dict[str, str]:
+    """The keras (version and file), TensorFlow and companion this run imported (companion
+    from where it would be imported, if the run did not: route ``fit``)."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    import keras
+    import tensorflow
+
+    companion = sys.modules.get("companion")
+    origin = companion.__file__ if companion is not None else importlib.util.find_spec("companion").origin
+    return {"keras": keras.__version__, "keras_file": str(pathlib.Path(keras.__file__).resolve()),
+            "tensorflow": str(pathlib.Path(tensorflow.__file__).resolve()),
+            "companion": str(pathlib.Path(origin).resolve())}
+
+
 def pytest_unconfigure(config):
     path = config.getoption("--fit-record")
     if path:
+        record = {"calls": _CALLS, "outcomes": _OUTCOMES, "imported": imported()}
         with open(path, "w") as f:
-            json.dump({"calls": _CALLS, "outcomes": _OUTCOMES}, f, indent=1, sort_keys=True)
+            json.dump(record, f, indent=1, sort_keys=True)
     if "fit" in _ORIGINAL:
         from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
