@@ -9,7 +9,8 @@
 #      with the stack's pins and the test tools;
 #   2. the unit tests: tests/ without nbval, without the tests of the repository and the
 #      built book (UNIT_TESTS_SKIP below) and without the slow multi-process tests,
-#      importing the installed package;
+#      importing the installed package; on the Colab stack, Keras' own tests of fit through
+#      train as well (.ci/keras_suite.sh);
 #   3. every chapter (book/**/*.ipynb), copied to a temporary folder outside the repository
 #      and executed there, as in Colab: no output comparison (that stays on the lock), but
 #      no cell may raise unless it is tagged raises-exception.
@@ -120,6 +121,13 @@ sys.exit(code)
 ' tests -p no:nbval -p no:cacheprovider -o addopts= --import-mode=importlib -q \
             "${ignores[@]}" ${UNIT_TESTS_MARK:+-m "$UNIT_TESTS_MARK"} || failed+=("$name: unit tests")
         stage_done "$name: unit tests"
+        if [ "$name" = colab ]; then
+            # Keras' own tests of fit through train (issue 21), Keras 3.15.1's test files against
+            # this stack's Keras (.ci/keras_suite.sh: the 38 `ci` tests, measured 113 s).
+            stage "$name: Keras' tests of fit through train"
+            STACKS_DIR="$STACKS_DIR" bash "$ROOT/.ci/keras_suite.sh" "$name" || failed+=("$name: Keras' suite")
+            stage_done "$name: Keras' tests of fit through train"
+        fi
     fi
 
     if [ "$parts" != unit ]; then
