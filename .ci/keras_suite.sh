@@ -44,14 +44,5 @@ export KERAS_SUITE_TESTS_FROM
 export KERAS_SUITE=${KERAS_SUITE:-ci}
 echo "== $name: Keras' tests of fit through train (KERAS_SUITE=$KERAS_SUITE; test files: $KERAS_SUITE_TESTS_FROM)"
 
-"$env/bin/python" -I -c '
-import pathlib, sys, sysconfig
-import pytest
-code = pytest.main(sys.argv[1:])
-import companion
-where = pathlib.Path(companion.__file__).resolve()
-if pathlib.Path(sysconfig.get_paths()["purelib"]).resolve() not in where.parents:
-    sys.exit(f"the tests imported companion from {where}, not from the installed wheel")
-sys.exit(code)
-' tests/test_keras_suite.py -p no:nbval -p no:cacheprovider -o addopts= --import-mode=importlib -q
+"$env/bin/python" -I "$ROOT/.ci/pytest_installed.py" tests/test_keras_suite.py -p no:nbval -p no:cacheprovider -o addopts= --import-mode=importlib -q
 echo "== $name: Keras' tests of fit through train: $(( $(date +%s) - start )) s"

@@ -109,16 +109,7 @@ for name in "${stacks[@]}"; do
         # folder of the checkout either, so `companion` is the installed one (checked after the run).
         ignores=()
         for path in "${UNIT_TESTS_SKIP[@]}"; do ignores+=("--ignore=$path"); done
-        "$env/bin/python" -I -c '
-import pathlib, sys, sysconfig
-import pytest
-code = pytest.main(sys.argv[1:])
-import companion
-where = pathlib.Path(companion.__file__).resolve()
-if pathlib.Path(sysconfig.get_paths()["purelib"]).resolve() not in where.parents:
-    sys.exit(f"the tests imported companion from {where}, not from the installed wheel")
-sys.exit(code)
-' tests -p no:nbval -p no:cacheprovider -o addopts= --import-mode=importlib -q \
+        "$env/bin/python" -I "$ROOT/.ci/pytest_installed.py" tests -p no:nbval -p no:cacheprovider -o addopts= --import-mode=importlib -q \
             "${ignores[@]}" ${UNIT_TESTS_MARK:+-m "$UNIT_TESTS_MARK"} || failed+=("$name: unit tests")
         stage_done "$name: unit tests"
         if [ "$name" = colab ]; then
