@@ -121,17 +121,21 @@ def train(
 
     Args:
         model: a Keras model (or a layer with Keras' ``Trainer`` mixed in).
-        x, y, batch_size, epochs, verbose, callbacks, validation_split,
-            validation_data, shuffle, class_weight, sample_weight, initial_epoch,
-            steps_per_epoch, validation_steps, validation_batch_size, validation_freq:
-            as for ``model.fit`` (``x`` may be a ``tf.data.Dataset`` of ``(inputs,
-            targets[, sample_weights])``, arrays, a generator or a ``PyDataset``).
-        loss, optimizer, metrics, loss_weights, weighted_metrics, run_eagerly,
-            steps_per_execution, jit_compile, auto_scale_loss: as for
+        x, y, batch_size, epochs, verbose, callbacks, shuffle: as for ``model.fit``
+            (``x`` may be a ``tf.data.Dataset`` of ``(inputs, targets[,
+            sample_weights])``, arrays, a generator or a ``PyDataset``).
+        validation_split, validation_data, validation_steps: as for ``model.fit``.
+        validation_batch_size, validation_freq: as for ``model.fit``.
+        class_weight, sample_weight, initial_epoch, steps_per_epoch: as for
+            ``model.fit``.
+        loss, optimizer, metrics, loss_weights, weighted_metrics: as for
             ``model.compile``; if ``loss`` or ``optimizer`` is given the model is
-            compiled with all of them (again only when they changed), else it must be
-            compiled already. A :class:`~companion.optimizers.SkipNonFinite` optimizer
-            is unwrapped (``train`` guards by itself).
+            compiled with all of ``compile``'s arguments (again only when they
+            changed), else it must be compiled already. A
+            :class:`~companion.optimizers.SkipNonFinite` optimizer is unwrapped
+            (``train`` guards by itself).
+        run_eagerly, steps_per_execution, jit_compile, auto_scale_loss: as for
+            ``model.compile`` (see ``loss``).
         strategy: a ``tf.distribute.Strategy``; default: the model's. The model and the
             optimizer must be created under its scope.
         clip_global_norm: if given (> 0), finite gradients are rescaled so that their
