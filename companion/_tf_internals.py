@@ -539,7 +539,9 @@ def global_random_states() -> list:
 # 12. Keras' fit under MultiWorkerMirroredStrategy (companion.training.guard)
 # --------------------------------------------------------------------------------------
 # Relies on: Keras 3's ``TensorFlowTrainer._maybe_symbolic_build(iterator, data_batch)``,
-# called by ``fit``/``evaluate`` before the first step, and ``Trainer._symbolic_build``.
+# called by ``fit``/``evaluate`` before the first step, and ``Trainer._symbolic_build``;
+# the epoch iterator it gets yields ``(begin, end, iterator)`` (Keras 3.15) or has
+# ``enumerate_epoch()`` of ``(step, iterator)`` (Keras 3.5).
 # Keras 3.15 takes the example batch of a distributed dataset by
 # ``strategy.reduce("MEAN", batch, axis=None)``, which fails under
 # ``MultiWorkerMirroredStrategy`` (``ValueError: Attempt to convert a value (PerReplica
@@ -561,20 +563,34 @@ def repair_symbolic_build_for_multi_worker(model) -> None:
 
     def local_symbolic_build(iterator=None, data_batch=None):
         strategy = model.distribute_strategy
-        if iterator is not None:
-            for _, _, it in iterator:
-                batch = next(it)
-                data_batch = tf.nest.map_structure(
-                    lambda v: strategy.experimental_local_results(v)[0]
-                    if isinstance(v, tf.distribute.DistributedValues)
-                    else v,
-                    batch,
-                )
-                break
+        batch = _first_batch(iterator) if iterator is not None else None
+        if batch is not None:
+            data_batch = tf.nest.map_structure(
+                lambda v: strategy.experimental_local_results(v)[0]
+                if isinstance(v, tf.distribute.DistributedValues)
+                else v,
+                batch,
+            )
         with strategy.scope():
             model._symbolic_build(data_batch=data_batch)
 
     model._maybe_symbolic_build = local_symbolic_build
+
+
+def _first_batch(epoch_iterator):
+    """The first batch of a Keras epoch iterator, as ``_maybe_symbolic_build`` takes it.
+
+    Keras 3.15 iterates it as ``(begin, end, iterator)``; Keras 3.5 has only
+    ``enumerate_epoch()``, of ``(step, iterator)``: the iterator is the last item of
+    either.
+    """
+    if hasattr(type(epoch_iterator), "__iter__"):
+        steps = iter(epoch_iterator)
+    else:
+        steps = epoch_iterator.enumerate_epoch()
+    for item in steps:
+        return next(item[-1])
+    return None
 
 
 def undo_symbolic_build_repair(model) -> None:

@@ -340,3 +340,18 @@ def test_keras_multi_step_loop_says_whether_it_ends_short_calls():
     assert ("val_loss" in history.history) == ends_short
     if tuple(int(p) for p in keras.__version__.split(".")[:2]) >= (3, 13):
         assert ends_short  # the lock's and Colab's Keras
+
+
+def test_the_first_batch_of_either_keras_epoch_iterator_is_found():
+    # Keras 3.15 iterates an epoch iterator as (begin, end, iterator); Keras 3.5 has only
+    # enumerate_epoch() of (step, iterator) (the multi-worker chapter failed on it).
+    class New:
+        def __iter__(self):
+            yield 0, 1, iter(["first", "second"])
+
+    class Old:
+        def enumerate_epoch(self):
+            yield 0, iter(["first", "second"])
+
+    assert _tf_internals._first_batch(New()) == "first"
+    assert _tf_internals._first_batch(Old()) == "first"
