@@ -84,7 +84,7 @@ def test_a_step_whose_gradient_norm_overflows_is_skipped_and_said_so():
 
 
 #: An optimizer whose update holds a conditional of its own (the EMA overwrite every two
-#: steps), which cannot be masked: train() falls back to a conditional update by itself.
+#: steps): the step's end puts its writes back all the same.
 def _conditional_update_optimizer():
     return keras.optimizers.Adam(0.05, use_ema=True, ema_overwrite_frequency=2)
 
@@ -93,16 +93,16 @@ def _conditional_update_optimizer():
     "width, make_optimizer, update",
     [
         (8, lambda: keras.optimizers.Adam(0.05), "masked"),
-        (8, _conditional_update_optimizer, "whole"),
-        # A large model takes the same way (the update under a conditional in the step).
-        (1024, _conditional_update_optimizer, "whole"),
+        (8, _conditional_update_optimizer, "masked"),
+        # A large model takes the same way.
+        (1024, _conditional_update_optimizer, "masked"),
     ],
     ids=["masked", "conditional-update-small-model", "conditional-update-large-model"],
 )
 def test_skipped_step_leaves_weights_and_optimizer_state_unchanged(width, make_optimizer, update):
-    # "masked" (every write a select, fused by XLA) is what train() uses by default;
-    # "whole" (the update under a conditional in the step's XLA function) is its
-    # fallback when an optimizer's update cannot be masked.
+    # "masked": on one replica the step runs, and its end selects, for every variable
+    # of the model and its optimizers, between the new and the old value (fused by XLA),
+    # whatever the optimizer's update holds (here a conditional of its own).
     def model():
         built = make_model(batch_norm=True, width=width)
         if width > 8:  # a second wide layer: 1024 * 1024 more parameters

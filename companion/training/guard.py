@@ -51,7 +51,6 @@ from companion import _tf_internals
 from companion._gradients import global_norm, nonfinite_counts, scale_gradient
 from companion.diagnostics import GradientRecord, GradientReport
 from companion.diagnostics.hooks import diagnose_skipped_step
-from companion.training.masking import UnmaskableUpdate, masked_writes
 from companion.training.results import NonFiniteError, SkippedStep, TrainingHistory
 
 #: A dynamic loss scale at or below this value no longer amplifies the gradients.
@@ -75,6 +74,9 @@ class _TraceSlot(threading.local):
         self.multiplier_fn = None
         self.record = None
         self.halted = None
+        self.late = []  # (variable, value before the step) of optimizers built during the step
+        self.grads = {}  # id(variable) -> its gradient, from every optimizer's apply
+        self.norms = []  # the global norms of the applies of optimizers other than the model's
 
 
 class GuardedStep:
@@ -105,6 +107,7 @@ class GuardedStep:
         self.limit = int(limit)
         self.variables = list(model.trainable_variables)
         self.original_step = model.train_step
+        self.optimizers = model_optimizers(model)
         self.original_test_step = model.test_step
         self.presummed = self.replicas > 1 and _tf_internals.can_skip_optimizer_all_reduce(self.inner)
         self.masked = self.replicas == 1 and self.loss_scaler is None and guard
@@ -121,18 +124,41 @@ class GuardedStep:
         self.state = None  # found when the step is traced (fit builds the metrics first)
 
     def _state(self) -> list:
-        """The variables a skipped step must put back: all but the trainable ones."""
-        if self.state is None:
-            self.state = []
-            if self.guard:
-                seen = {id(v) for v in self.model.trainable_variables}
-                for v in [*self.model.non_trainable_variables, *self.model.metrics_variables]:
-                    if id(v) not in seen:
-                        seen.add(id(v))
-                        self.state.append(v)
-            if len(self.model.trainable_variables) != len(self.variables):
-                self.variables = list(self.model.trainable_variables)
-        return self.state
+        """The variables a skipped step must put back, read before the step.
+
+        On one replica: every variable of the model (its weights, the non-trainable
+        state the forward pass changes, the metrics) and of every optimizer the model
+        holds (``model.optimizer`` and any other, e.g. a GAN's ``d_optimizer``), so that a
+        skipped step changes nothing, whoever writes. Under several replicas: the
+        model's non-trainable state and metrics (the optimizer's update is put under a
+        conditional there). Never the random state (a ``SeedGenerator``'s): a skipped
+        random draw is not drawn again. Never the dynamic loss scale: a skipped step
+        halves it.
+        """
+        model = self.model
+        if len(model.trainable_variables) != len(self.variables):
+            self.variables = list(model.trainable_variables)
+        if not self.guard:
+            return []
+        kept = {id(v) for v in _random_state(model)}
+        if self.loss_scaler is not None:
+            kept.update(id(v) for v in (self.loss_scaler.dynamic_scale, self.loss_scaler.step_counter))
+        if self.replicas == 1:
+            candidates = [*model.variables, *model.metrics_variables]
+            for optimizer in self.optimizers:
+                if optimizer.built:
+                    candidates.extend(optimizer.variables)
+        else:
+            trainable = {id(v) for v in model.trainable_variables}
+            candidates = [
+                v for v in [*model.non_trainable_variables, *model.metrics_variables] if id(v) not in trainable
+            ]
+        state = []
+        for v in candidates:
+            if id(v) not in kept:
+                kept.add(id(v))
+                state.append(v)
+        return state
 
     # -- installing ----------------------------------------------------------------------
 
@@ -178,33 +204,59 @@ class GuardedStep:
         return tf.nest.map_structure(lambda v: tf.expand_dims(v, 0) if tf.is_tensor(v) else v, logs)
 
     def train_step(self, data):
-        """The model's own ``train_step``, guarded (replica context)."""
+        """The model's own ``train_step``, guarded (replica context).
+
+        The step is non-finite when its loss, its gradients (any optimizer's), its
+        logged values or, on one replica, anything it wrote (weights, optimizer state,
+        non-trainable variables, metrics) are not finite; every variable of
+        :meth:`_state` is then put back to its value before the step.
+        """
         slot = self._slot
         if self.state is None and self.guard:
             # Without a strategy fit builds the compiled metrics inside the first traced
-            # step; the guard must know their variables before the step runs.
+            # step; the guard must know their variables before the step runs. A model
+            # that cannot be built symbolically (a VAE without call()) is left to fit,
+            # which builds what the step uses while tracing it.
             spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype) if tf.is_tensor(t) else t, data)
             with tf.init_scope():
-                _tf_internals.build_compiled_state(self.model, spec)
-        state = self._state()
+                try:
+                    _tf_internals.build_compiled_state(self.model, spec)
+                except (RuntimeError, NotImplementedError):
+                    pass
+        self.state = state = self._state()
         saved = [tf.identity(tf.convert_to_tensor(v)) for v in state]
         written = tf.convert_to_tensor(self.written)
         consecutive = tf.convert_to_tensor(self.consecutive)
         halted = consecutive >= self.limit
         slot.active, slot.loss, slot.multiplier_fn, slot.record, slot.halted = True, None, None, None, halted
+        slot.late, slot.grads, slot.norms = [], {}, []
         try:
             logs = self.original_step(data)
         finally:
             slot.active = False
         record = slot.record
-        if record is None:  # the step applied no gradients (no trainable variables)
-            loss = self._global_loss(slot)
-            finite = tf.logical_and(tf.math.is_finite(loss), tf.logical_not(halted)) if self.guard else tf.constant(True)
-            applied = tf.logical_and(finite, tf.logical_not(halted))
+        loss = self._global_loss(slot) if slot.loss is not None else self._logged_loss(logs)
+        if record is None:  # the model's optimizer applied nothing (another one may have)
+            applied = tf.logical_not(halted)
             record = (loss, tf.constant(0.0), applied, self._scale(), None)
-        loss, norm, applied, scale, counts = record
-        for variable, value in zip(state, saved):
+        _, norm, applied, scale, _ = record
+        if slot.norms:
+            norm = tf.sqrt(tf.add_n([tf.square(tf.cast(n, tf.float32)) for n in [norm, *slot.norms]]))
+        restored = [*zip(state, saved), *slot.late]
+        if self.guard:
+            checks = [applied, tf.math.is_finite(loss), tf.math.is_finite(norm), _all_finite(_float_values(logs))]
+            if self.replicas == 1:
+                checks.append(_all_finite([v for v, _ in restored]))
+            else:
+                # The same decision on every replica and worker (the update's own test
+                # is taken on summed gradients already).
+                context = tf.distribute.get_replica_context()
+                bad = tf.cast(tf.logical_not(tf.reduce_all(tf.stack(checks[1:]))), tf.float32)
+                checks[1:] = [context.all_reduce(tf.distribute.ReduceOp.SUM, bad) < 0.5]
+            applied = tf.reduce_all(tf.stack(checks))
+        for variable, value in restored:
             variable.assign(tf.where(applied, tf.convert_to_tensor(variable), value))
+        counts = self._counts(slot) if self.guard and self.variables else None
         row = tf.stack([tf.cast(loss, tf.float32), tf.cast(norm, tf.float32), tf.cast(applied, tf.float32), scale])
 
         def write():
@@ -229,7 +281,48 @@ class GuardedStep:
             fresh = self.model.get_metrics_result()
             if set(fresh) == set(logs):
                 logs = fresh
+            elif self.guard and self.replicas == 1:
+                logs = self._last_good_logs(logs, applied)
         return self._per_worker_logs(logs)
+
+    def _logged_loss(self, logs):
+        """The step's loss when the step did not call ``scale_loss``: its logged ``loss``, or
+        the first value it logs (a GAN's ``d_loss``); 0 when it logs nothing."""
+        values = _float_values(logs, scalars=True)
+        if isinstance(logs, dict) and tf.is_tensor(logs.get("loss")) and logs["loss"].dtype.is_floating:
+            values = [logs["loss"]]
+        loss = tf.reduce_mean(tf.cast(values[0], tf.float32)) if values else tf.constant(0.0)
+        if self.replicas > 1:
+            context = tf.distribute.get_replica_context()
+            loss = context.all_reduce(tf.distribute.ReduceOp.SUM, loss) / self.replicas
+        return loss
+
+    def _last_good_logs(self, logs, applied):
+        """``logs`` whose values are not metrics: a skipped step shows the last applied
+        step's values, so that no log ever shows a skipped step."""
+        if getattr(self, "_good_logs", None) is None:
+            self._good_logs = {}
+        out = dict(logs)
+        for key, value in logs.items():
+            if not (tf.is_tensor(value) and value.dtype.is_floating and value.shape.rank == 0):
+                continue
+            if key not in self._good_logs:
+                with tf.init_scope():
+                    self._good_logs[key] = tf.Variable(tf.zeros([], value.dtype), trainable=False, name=f"guard_{key}")
+            memory = self._good_logs[key]
+            kept = tf.where(applied, value, tf.convert_to_tensor(memory))
+            memory.assign(kept)
+            out[key] = kept
+        return out
+
+    def _counts(self, slot):
+        grads = dict(slot.grads)
+
+        def counts():
+            nan, inf = nonfinite_counts([grads.get(id(v)) for v in self.variables])
+            return tf.stack([nan, inf])
+
+        return counts
 
     def _metric_names(self):
         return [m.name for m in self.model.metrics]
@@ -250,32 +343,72 @@ class GuardedStep:
 
     def _intercept(self):
         optimizer, slot = self.optimizer, self._slot
-        originals = {name: vars(optimizer).get(name) for name in ("scale_loss", "apply")}
-        scale_loss = optimizer.scale_loss
-        apply = optimizer.apply
+        originals = {}
+        if optimizer is not None:
+            originals[id(optimizer)] = (optimizer, {name: vars(optimizer).get(name) for name in ("scale_loss", "apply")})
+            scale_loss = optimizer.scale_loss
+            apply = optimizer.apply
 
-        def noted_scale_loss(loss):
-            scaled = scale_loss(loss)
-            if slot.active and slot.loss is None:
-                slot.loss = loss
-                slot.multiplier_fn = lambda: tf.cast(scale_loss(tf.constant(1.0, loss.dtype)), tf.float32)
-            return scaled
+            def noted_scale_loss(loss):
+                scaled = scale_loss(loss)
+                if slot.active and slot.loss is None:
+                    slot.loss = loss
+                    slot.multiplier_fn = lambda: tf.cast(scale_loss(tf.constant(1.0, loss.dtype)), tf.float32)
+                return scaled
 
-        def guarded_apply(grads, trainable_variables=None):
-            if not slot.active or slot.record is not None:
-                return apply(grads, trainable_variables)
-            return self._apply(apply, list(grads), trainable_variables)
+            def guarded_apply(grads, trainable_variables=None):
+                if not slot.active:
+                    return apply(grads, trainable_variables)
+                if slot.record is not None:  # a second apply of the same optimizer
+                    return self._noted_apply(optimizer, apply, grads, trainable_variables)
+                return self._apply(apply, list(grads), trainable_variables)
 
-        optimizer.scale_loss = noted_scale_loss
-        optimizer.apply = guarded_apply
+            optimizer.scale_loss = noted_scale_loss
+            optimizer.apply = guarded_apply
+        for other in self.optimizers:
+            if other is optimizer:
+                continue
+            originals[id(other)] = (other, {"apply": vars(other).get("apply")})
+            other.apply = self._noting(other, other.apply)
         return originals
 
+    def _noting(self, optimizer, apply):
+        slot = self._slot
+
+        def noted_apply(grads, trainable_variables=None):
+            if not slot.active:
+                return apply(grads, trainable_variables)
+            return self._noted_apply(optimizer, apply, grads, trainable_variables)
+
+        return noted_apply
+
+    def _noted_apply(self, optimizer, apply, grads, trainable_variables):
+        """An optimizer other than the model's (or its second apply): its gradients are
+        noted for the step's test; the step's end puts back what it wrote."""
+        slot = self._slot
+        grads = list(grads)
+        if trainable_variables is not None:
+            trainable_variables = list(trainable_variables)
+        if not optimizer.built and trainable_variables is not None:
+            # As Keras' apply would, but here, so that the new state's values before the
+            # step are known (a GAN's optimizers are built by their first apply).
+            with tf.init_scope():
+                optimizer.build(trainable_variables)
+            slot.late.extend((v, tf.identity(tf.convert_to_tensor(v))) for v in optimizer.variables)
+        variables = trainable_variables if trainable_variables is not None else []
+        for g, v in zip(grads, variables):
+            if g is not None:
+                slot.grads[id(v)] = g
+        slot.norms.append(global_norm(grads))
+        return apply(grads, trainable_variables)
+
     def _restore_optimizer(self, originals) -> None:
-        for name, value in originals.items():
-            if value is None:
-                vars(self.optimizer).pop(name, None)
-            else:
-                setattr(self.optimizer, name, value)
+        for optimizer, names in originals.values():
+            for name, value in names.items():
+                if value is None:
+                    vars(optimizer).pop(name, None)
+                else:
+                    setattr(optimizer, name, value)
 
     def _apply(self, apply, grads, trainable_variables):
         slot = self._slot
@@ -286,11 +419,14 @@ class GuardedStep:
             # As Keras' apply would, but before the update is traced (masked or not).
             with tf.init_scope():
                 self.optimizer.build(trainable_variables)
+            if self.guard and self.replicas == 1:
+                slot.late.extend((v, tf.identity(tf.convert_to_tensor(v))) for v in self._optimizer_state())
         # Gradients arrive multiplied by what scale_loss multiplied the loss by (the
         # dynamic loss scale, the optimizer's loss_scale_factor).
         multiplier = slot.multiplier_fn() if slot.loss is not None else tf.constant(1.0)
         present = [i for i, g in enumerate(grads) if g is not None]
-        loss = self._global_loss(slot)
+        # A step that does not call scale_loss (its own loss) is tested on its loss later.
+        loss = self._global_loss(slot) if slot.loss is not None else tf.constant(0.0)
         summed = grads
         if self.replicas > 1 and present:
             context = tf.distribute.get_replica_context()
@@ -309,15 +445,9 @@ class GuardedStep:
             factor = tf.minimum(self.clip / tf.maximum(norm, 1e-30), 1.0)
             factor = tf.where(tf.math.is_finite(factor), factor, 1.0)
             update = [scale_gradient(g, factor) for g in update]
-        index = {id(v): i for i, v in enumerate(self.variables)}
-
-        def counts():
-            ordered = [None] * max(len(self.variables), 1)
-            for g, v in zip(summed, trainable_variables):
-                if g is not None and id(v) in index:
-                    ordered[index[id(v)]] = g
-            nan, inf = nonfinite_counts(ordered)
-            return tf.stack([nan, inf])
+        for g, v in zip(summed, trainable_variables):
+            if g is not None:
+                slot.grads[id(v)] = g
 
         scale = self._scale()  # before the update may change it
         if self.presummed:
@@ -325,8 +455,15 @@ class GuardedStep:
                 self._update(apply, update, trainable_variables, applied)
         else:
             self._update(apply, update, trainable_variables, applied)
-        slot.record = (loss, norm, applied, scale, counts if self.guard else None)
+        slot.record = (loss, norm, applied, scale, None)
         return self.optimizer.iterations
+
+    def _optimizer_state(self) -> list:
+        """The model's optimizer's variables but the dynamic loss scale's."""
+        if self.loss_scaler is None:
+            return list(self.optimizer.variables)
+        scale = {id(self.loss_scaler.dynamic_scale), id(self.loss_scaler.step_counter)}
+        return [v for v in self.optimizer.variables if id(v) not in scale]
 
     def _run_apply(self, apply, grads, variables):
         return apply(grads, variables)
@@ -336,15 +473,12 @@ class GuardedStep:
             self.mode = "unguarded"
             self._run_apply(apply, grads, variables)
             return
-        cache = model_cache(self.model)
-        if self.masked and not cache.get(("unmaskable", id(self.optimizer))):
-            masked = tf.function(self._masked_apply(apply, variables), autograph=False)
-            try:
-                masked(applied, grads)
-                self.mode = "masked"
-                return
-            except UnmaskableUpdate:
-                cache[("unmaskable", id(self.optimizer))] = True
+        if self.masked:
+            # One replica: the update runs, and the step's end selects, for every
+            # variable the step wrote, between its new and its old value.
+            self.mode = "masked"
+            self._run_apply(apply, grads, variables)
+            return
         self.mode = "conditional"
         if self.loss_scaler is not None:
 
@@ -380,14 +514,6 @@ class GuardedStep:
         else:
             tf.cond(applied, run, skip)
 
-    def _masked_apply(self, apply, variables):
-        def masked(applied, grads):
-            with masked_writes(applied):
-                self._run_apply(apply, grads, variables)
-            return tf.constant(0)
-
-        return masked
-
     # -- the host side -------------------------------------------------------------------
 
     def reset(self, consecutive: int = 0) -> None:
@@ -413,6 +539,61 @@ class GuardedStep:
         if not self.guard or records[:, _APPLIED].all():
             return records, None
         return records, counts.numpy()
+
+
+def _random_state(model) -> list:
+    """The state of every ``keras.random.SeedGenerator`` of ``model`` (moves on when skipped)."""
+    found = []
+    for layer in _tf_internals.all_layers(model):
+        for value in vars(layer).values():
+            if isinstance(value, keras.random.SeedGenerator):
+                found.append(value.state)
+    found.extend(v for v in model.variables if v.name == "seed_generator_state")
+    return found
+
+
+def model_optimizers(model) -> list:
+    """``model.optimizer`` and every other optimizer the model or one of its layers holds
+    (a GAN's ``d_optimizer`` and ``g_optimizer``), each once; a loss-scale optimizer's
+    inner optimizer is not listed apart from it."""
+    found: list = []
+
+    def add(value):
+        if isinstance(value, keras.optimizers.Optimizer) and all(value is not o for o in found):
+            inner = getattr(value, "inner_optimizer", None)
+            found[:] = [o for o in found if o is not inner]
+            if not any(getattr(o, "inner_optimizer", None) is value for o in found):
+                found.append(value)
+
+    add(getattr(model, "optimizer", None))
+    for layer in _tf_internals.all_layers(model):
+        for value in list(vars(layer).values()):
+            if isinstance(value, (list, tuple)):
+                for item in value:
+                    add(item)
+            elif isinstance(value, dict):
+                for item in value.values():
+                    add(item)
+            else:
+                add(value)
+    return found
+
+
+def _float_values(logs, scalars: bool = False) -> list:
+    values = [v for v in tf.nest.flatten(logs) if tf.is_tensor(v) and v.dtype.is_floating]
+    if scalars:
+        values = [v for v in values if v.shape.rank == 0] or values
+    return values
+
+
+def _all_finite(values) -> tf.Tensor:
+    """Whether every entry of every floating tensor or variable of ``values`` is finite."""
+    flags = []
+    for value in values:
+        value = tf.convert_to_tensor(value)
+        if value.dtype.is_floating:
+            flags.append(tf.reduce_all(tf.math.is_finite(value)))
+    return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
 
 
 #: Per model: what train learnt about it (an optimizer whose update cannot be masked),
