@@ -129,6 +129,37 @@ MIRRORED_SCRIPT = textwrap.dedent(
         result["outside_error"] = None
     except ValueError as error:
         result["outside_error"] = str(error)
+
+    # A train_step with an optimizer of its own (a GAN's) is refused before any step:
+    # under several replicas the guard could not put back what that optimizer writes.
+    class OwnOptimizer(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(1)
+            self.d_optimizer = keras.optimizers.SGD(0.1)
+
+        def call(self, x):
+            return self.dense(x)
+
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(self(x) - y))
+            grads = tape.gradient(loss, self.trainable_variables)
+            self.d_optimizer.apply_gradients(zip(grads, self.trainable_variables))
+            return {"loss": loss}
+
+    with strategy.scope():
+        own = OwnOptimizer()
+        own.compile(optimizer="sgd", loss="mse")
+        own(x[:1])
+    own_before = [w.copy() for w in own.get_weights()]
+    try:
+        train(own, clean, strategy=strategy, verbose=0)
+        result["own_optimizer_error"] = None
+    except ValueError as error:
+        result["own_optimizer_error"] = str(error)
+    result["own_optimizer_unchanged"] = all(np.array_equal(a, b) for a, b in zip(own_before, own.get_weights()))
     print("RESULT " + json.dumps(result))
     """
 )
@@ -185,6 +216,14 @@ def test_mirrored_update_equals_one_device_with_and_without_clipping(mirrored_re
 @pytest.mark.slow
 def test_mirrored_model_created_outside_the_scope_is_refused(mirrored_result):
     assert "not created under the strategy's scope" in mirrored_result["outside_error"]
+
+
+@pytest.mark.slow
+def test_mirrored_train_step_with_its_own_optimizer_is_refused_before_any_step(mirrored_result):
+    message = mirrored_result["own_optimizer_error"]
+    assert "other than model.optimizer (d_optimizer (SGD))" in message
+    assert "one device" in message and "SkipNonFinite" in message
+    assert mirrored_result["own_optimizer_unchanged"]
 
 
 # --------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """A training loop that survives NaN: :func:`train`, and what it returns and raises.
 
-:func:`train` runs a Keras model over a dataset and checks, inside the compiled step,
-that the loss and every gradient are finite; a step that fails the check applies no
-update at all and is recorded in the :class:`TrainingHistory`. :class:`SkipNonFinite`
+:func:`train` is Keras' ``fit`` with a guarded step: inside the compiled step it checks
+that the loss, every gradient and everything the step wrote are finite, whatever the
+model's ``train_step`` (Keras' own or an override with optimizers of its own); a step
+that fails the check changes no variable and is recorded in the :class:`TrainingHistory`. :class:`SkipNonFinite`
 (from :mod:`companion.optimizers`) gives ``model.fit`` users the same skip.
 
 The package, one idea per module:
@@ -10,7 +11,8 @@ The package, one idea per module:
 * ``results``: :class:`TrainingHistory`, :class:`SkippedStep`, :class:`NonFiniteError`,
   :class:`WorkerLostError`.
 * ``inputs``: the checks of :func:`train`'s own arguments.
-* ``masking``: the masked update (every variable write a select).
+* ``masking``: every variable write of an update traced as a select (used by
+  ``benchmarks/conditional_update.py``; the guard selects at the step's end).
 * ``guard``: the guarded ``train_step`` installed in ``fit``, and the callback that
   reads its records after every host call.
 * ``checkpoints``: epoch-end checkpoints and resuming.

@@ -3,27 +3,36 @@
 ``train`` *is* ``model.fit``: Keras' trainer runs the epochs, the callbacks, the
 validation, ``steps_per_execution``, ``History``. What ``train`` adds is a guarded
 ``train_step``, installed on the model for the duration of the call: it runs the
-model's own ``train_step`` (Keras', or the user's override) and intercepts, while the
-step is traced, the two calls that step makes on its optimizer:
+model's own ``train_step`` (Keras', or the user's override: a GAN's, a VAE's, Keras'
+guide's) and decides, after it, whether the step counts.
 
-* ``optimizer.scale_loss(loss)``: the step's loss (this replica's share, as ``fit``
-  computes it) is noted;
-* ``optimizer.apply(gradients, variables)``: the gradients are summed across replicas
-  once (the optimizer is told not to sum them again), their global norm and the
-  loss's finiteness decide whether the step is applied (the same decision on every
-  replica and worker, since it is taken on summed values), the optional clipping is
-  applied, and the update runs masked (every variable write a select between the new
-  and the old value, :mod:`companion.training.masking`) or under a conditional.
+* Before the step, the values of every variable a step may write are read: on one
+  replica every variable of the model (weights, non-trainable state such as batch-norm
+  statistics, the metrics) and of every optimizer it holds (``model.optimizer`` and any
+  other, a GAN's ``d_optimizer`` and ``g_optimizer``; an optimizer first built by the
+  step's own ``apply`` is built just before it, and read then). Not the random state
+  (a skipped random draw is not drawn again) and not the dynamic loss scale.
+* While the step is traced, its calls on the optimizers are intercepted:
+  ``optimizer.scale_loss(loss)`` notes the loss; ``optimizer.apply(gradients,
+  variables)`` notes the gradients (for the model's optimizer they are summed across
+  replicas once, clipped if asked, and tested before the update).
+* After the step, it is non-finite when its loss (noted, else its logged ``loss`` or
+  first logged value), any optimizer's gradients, any value it logs, or (on one
+  replica) any variable it may have written is not finite, or when the
+  consecutive-skip limit was reached. Every variable read before the step is then
+  written back, ``where(ok, new, old)``: nothing the step did remains, whoever wrote
+  it. Under several replicas the same decision is taken on every replica (an
+  all-reduce), the update of the model's optimizer is put under a conditional, and a
+  model that applies other optimizers is refused before any step
+  (:func:`companion.training.loop` says why).
 
-After the model's step returns, the state the step changed besides the update
-(batch-norm statistics, seed-generator state, the metrics and the loss tracker) is
-put back on a skipped step, the step's record (loss, norm, applied or not, loss
-scale, NaN/Inf counts per variable on a skipped step) is written into a small buffer
-of variables, and the logs are re-read so that they never show a skipped step. The
-buffer is drained by :class:`GuardCallback` after every host call (every
-``steps_per_execution`` steps), which fills the :class:`TrainingHistory` and raises
-:class:`NonFiniteError`; once the consecutive-skip limit is reached inside a host
-call, the remaining steps of that call apply nothing and are not recorded.
+The step's record (loss, norm, applied or not, loss scale, NaN/Inf counts per variable
+on a skipped step) is written into a small buffer of variables, and the logs are re-read
+so that they never show a skipped step. The buffer is drained by :class:`GuardCallback`
+after every host call (every ``steps_per_execution`` steps), which fills the
+:class:`TrainingHistory` and raises :class:`NonFiniteError`; once the consecutive-skip
+limit is reached inside a host call, the remaining steps of that call apply nothing and
+are not recorded.
 
 Under a multi-worker strategy the step's logs get a leading axis of length 1 (Keras'
 ``fit`` reduces them with ``strategy.reduce("MEAN", value, axis=0)``, which fails on a

@@ -20,7 +20,9 @@ from companion.losses import check_keras_loss_shapes
 from companion.optimizers import SkipNonFinite
 from companion.training.checkpoints import TrainingCheckpoint
 from companion.training.cluster import PEER_FAILURES, Cluster, arm_exit_after_worker_loss
-from companion.training.guard import DoctorView, GuardCallback, GuardedStep, asks_for_batch_hooks, model_cache
+from companion.training.guard import (
+    DoctorView, GuardCallback, GuardedStep, asks_for_batch_hooks, model_cache, model_optimizers,
+)
 from companion.training.inputs import ON_NONFINITE, as_dataset, check_callbacks, replay_batches
 from companion.training.results import TrainingHistory, WorkerLostError
 
@@ -63,7 +65,7 @@ def train(
     checkpoint_dir: str | os.PathLike | None = None,
     on_worker_loss: str = "exit",
 ) -> TrainingHistory:
-    """``model.fit``, skipping every step whose loss or gradients are not finite.
+    """``model.fit``, skipping every step whose loss, gradients or writes are not finite.
 
     ``train`` *is* ``fit``: it runs Keras' own ``model.fit`` with every argument ``fit``
     takes (``x`` ... ``validation_freq``, same names, same meaning), after compiling the
@@ -71,17 +73,16 @@ def train(
     a model compiled by the user is trained as compiled). What ``train`` adds is a
     guarded training step, installed for the call:
 
-    * Each step computes the loss and gradients as the model's own ``train_step`` does
-      (``compute_loss``, sample and class weights, regularisation, ``add_loss``, a
-      ``train_step`` or ``compute_loss`` override), then sums the gradients over the
-      replicas and tests them and the loss: a NaN or Inf anywhere (or a gradient norm
-      that overflows float32, above ~1.8e19) makes the step *skipped* on every replica
-      and worker. A skipped step applies nothing: the weights, the optimizer's moments
-      and iteration counter, the variables the forward pass changed (batch-norm
-      statistics, seed state) and the metrics keep their exact previous values, so no
-      log ever shows it (``keras.callbacks.TerminateOnNaN`` does not fire under the
-      guard). Under XLA the update is masked (a select fused into the update) rather
-      than put under a conditional.
+    * Each step is the model's own ``train_step`` (Keras', or an override that applies
+      any number of optimizers, assigns variables, updates metrics: a GAN, a VAE).
+      The step is *skipped* on every replica and worker when its loss, the gradients
+      of any optimizer (summed over the replicas; a global norm that overflows
+      float32, above ~1.8e19, counts), a value it logs, or anything it wrote (the
+      weights, the optimizers' state, non-trainable variables, the metrics; on one
+      replica) is not finite. A skipped step changes nothing: every variable of the
+      model and of its optimizers keeps its exact previous value, so no log ever shows
+      it (``keras.callbacks.TerminateOnNaN`` does not fire under the guard); only the
+      random state moves on, so a skipped random draw is not drawn again.
     * Skipped steps are reported in the returned :class:`TrainingHistory` (``skipped``,
       ``reports``), never as a log key: the logs, the ``History`` and ``CSVLogger``'s
       columns have exactly ``fit``'s keys.
@@ -173,8 +174,10 @@ def train(
             (``fit`` and ``compile`` raise their own errors for their arguments).
         ValueError: if a guard argument is out of range, a Keras loss would compare
             predictions with the wrong targets, the model was not created under the
-            strategy's scope, or ``checkpoint_dir`` holds a checkpoint of another model.
-            All of these are raised before any step runs.
+            strategy's scope, ``checkpoint_dir`` holds a checkpoint of another model, or
+            a ``train_step`` applies optimizers other than ``model.optimizer`` under
+            several replicas (the guard could not undo their writes there). All of these
+            are raised before any step runs.
         NonFiniteError: see ``on_nonfinite`` and ``max_consecutive_nonfinite``.
         WorkerLostError: under a multi-worker strategy, when another worker crashed or
             stopped responding.
@@ -231,6 +234,7 @@ def train(
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None and model.built and not optimizer.built and model.trainable_variables:
             optimizer.build(model.trainable_variables)  # as fit's symbolic build does
+    _check_guardable(model, strategy, on_nonfinite)
     cluster = Cluster.of(strategy)
     history, restored_epochs, checkpoint = _resume(model, cluster, checkpoint_dir)
     fit_arguments["initial_epoch"] = max(int(initial_epoch or 0), restored_epochs)
@@ -312,6 +316,29 @@ def _check_model(model) -> None:
     if not (isinstance(model, keras.layers.Layer) and trainer):
         kind = "a Keras layer that is not a model" if isinstance(model, keras.layers.Layer) else type(model).__name__
         raise TypeError(f"model must be a Keras model (keras.Model, e.g. keras.Sequential([layer])), got {kind}")
+
+
+def _check_guardable(model, strategy, on_nonfinite) -> None:
+    """Refuse, before any step, a model whose skipped steps the guard could not undo.
+
+    Under several replicas the guard puts the model's optimizer's update under a
+    conditional, and restores the non-trainable state and the metrics; what another
+    optimizer writes there (merge calls on every replica's copy) it cannot put back.
+    """
+    replicas = strategy.num_replicas_in_sync
+    if on_nonfinite == "ignore" or replicas == 1:
+        return
+    own = getattr(model, "optimizer", None)
+    others = [o for o in model_optimizers(model) if o is not own]
+    if others:
+        held = {id(value): name for name, value in vars(model).items()}
+        names = ", ".join(f"{held.get(id(o), o.name)} ({type(o).__name__})" for o in others)
+        raise ValueError(
+            f"model {model.name!r} applies optimizers other than model.optimizer ({names}) in its train_step: "
+            f"train guards such a step on one replica only, and this strategy has {replicas}, where a skipped "
+            "step could not put back what those optimizers write. Train it on one device, or call model.fit "
+            "with each optimizer wrapped in companion.optimizers.SkipNonFinite, or pass on_nonfinite='ignore'."
+        )
 
 
 def _check_scope(model, strategy) -> None:
