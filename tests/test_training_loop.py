@@ -113,8 +113,10 @@ def test_skipped_step_leaves_weights_and_optimizer_state_unchanged(width, make_o
     clean_model, clean_opt = model(), make_optimizer()
     # Step 1 of the poisoned run is batch 1 poisoned; the clean run never sees it.
     data = make_dataset(poisoned=[1], n_batches=2)
-    history = train(poisoned_model, data, loss="mse", optimizer=poisoned_opt, verbose=0)
-    train(clean_model, data.take(1), loss="mse", optimizer=clean_opt, verbose=0)
+    # Under XLA (train's default, jit_compile="auto", turns it on only where a GPU is):
+    # the select is fused; test_every_keras_optimizer... covers the step without XLA.
+    history = train(poisoned_model, data, loss="mse", optimizer=poisoned_opt, verbose=0, jit_compile=True)
+    train(clean_model, data.take(1), loss="mse", optimizer=clean_opt, verbose=0, jit_compile=True)
 
     assert history.update == update
     assert history.skipped == [1] and history.xla
@@ -122,7 +124,8 @@ def test_skipped_step_leaves_weights_and_optimizer_state_unchanged(width, make_o
     # Weights, batch-norm statistics (restored after the NaN forward pass), Adam state.
     assert_bit_identical(state_of(poisoned_model, poisoned_opt), state_of(clean_model, clean_opt))
     # A second call takes the same way.
-    assert train(poisoned_model, data, loss="mse", optimizer=poisoned_opt, verbose=0).update == update
+    again = train(poisoned_model, data, loss="mse", optimizer=poisoned_opt, verbose=0, jit_compile=True)
+    assert again.update == update
 
 
 #: One optimizer per kind of update code in Keras (momentum, centred second moments,
@@ -376,7 +379,8 @@ def test_xla_failure_falls_back_with_a_warning_and_trains():
     model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(4), HostOnlyNoise(), keras.layers.Dense(1)])
     optimizer = keras.optimizers.Adam(0.05)
     with pytest.warns(RuntimeWarning, match=r"XLA could not compile the training step \(no XLA kernel for PyFunc\)"):
-        history = train(model, make_dataset(poisoned=[3]), loss="mse", optimizer=optimizer, epochs=2, verbose=0)
+        history = train(model, make_dataset(poisoned=[3]), loss="mse", optimizer=optimizer, epochs=2, verbose=0,
+                        jit_compile=True)
     assert history.xla is False
     assert history.skipped == [3, 11]  # the failed attempt consumed no step
     assert int(optimizer.iterations) == 2 * N_BATCHES - 2

@@ -263,8 +263,7 @@ class GuardedStep:
                 bad = tf.cast(tf.logical_not(tf.reduce_all(tf.stack(checks[1:]))), tf.float32)
                 checks[1:] = [context.all_reduce(tf.distribute.ReduceOp.SUM, bad) < 0.5]
             applied = tf.reduce_all(tf.stack(checks))
-        for variable, value in restored:
-            variable.assign(tf.where(applied, tf.convert_to_tensor(variable), value))
+        self._put_back(restored, applied)
         counts = self._counts(slot) if self.guard and self.variables else None
         row = tf.stack([tf.cast(loss, tf.float32), tf.cast(norm, tf.float32), tf.cast(applied, tf.float32), scale])
 
@@ -293,6 +292,27 @@ class GuardedStep:
             elif self.guard and self.replicas == 1:
                 logs = self._last_good_logs(logs, applied)
         return self._per_worker_logs(logs)
+
+    def _put_back(self, restored, applied) -> None:
+        """Every variable of ``restored`` to its value before the step, unless ``applied``.
+
+        Under XLA as one select per variable, which XLA fuses into the step's element-wise
+        work (a conditional there makes XLA copy every variable); without XLA under a
+        conditional, so that a clean step writes nothing more.
+        """
+        if not restored:
+            return
+        if self.replicas == 1 and not self.model.jit_compile:
+
+            def put_back():
+                for variable, value in restored:
+                    variable.assign(value)
+                return tf.constant(0)
+
+            tf.cond(applied, lambda: tf.constant(0), put_back)
+            return
+        for variable, value in restored:
+            variable.assign(tf.where(applied, tf.convert_to_tensor(variable), value))
 
     def _logged_loss(self, logs):
         """The step's loss when the step did not call ``scale_loss``: its logged ``loss``, or
@@ -532,22 +552,15 @@ class GuardedStep:
     def drain(self) -> tuple[np.ndarray, np.ndarray | None]:
         """The records of the steps run since the last drain, and their NaN/Inf counts.
 
-        One function call per host call: it reads the buffer and empties it.
+        Three small eager reads and one write per host call (a traced function would
+        cost more to trace than all the reads of a short run).
         """
-        if getattr(self, "_drain_fn", None) is None:
-
-            def drain():
-                n = tf.minimum(tf.convert_to_tensor(self.written), self.capacity)
-                records = tf.convert_to_tensor(self.records)[:n]
-                self.written.assign(0)
-                return records, tf.convert_to_tensor(self.counts)[:n]
-
-            self._drain_fn = tf.function(drain, autograph=False)
-        records, counts = self._drain_fn()
-        records = records.numpy()
+        n = min(int(tf.convert_to_tensor(self.written).numpy()), self.capacity)
+        records = tf.convert_to_tensor(self.records).numpy()[:n]
+        self.written.assign(0)
         if not self.guard or records[:, _APPLIED].all():
             return records, None
-        return records, counts.numpy()
+        return records, tf.convert_to_tensor(self.counts).numpy()[:n]
 
 
 def _random_state(model) -> list:

@@ -56,7 +56,7 @@ def train(
     weighted_metrics: Any = None,
     run_eagerly: bool = False,
     steps_per_execution: int | None = None,
-    jit_compile: bool | str = True,
+    jit_compile: bool | str = "auto",
     auto_scale_loss: bool = True,
     strategy: tf.distribute.Strategy | None = None,
     clip_global_norm: float | None = None,
@@ -106,9 +106,11 @@ def train(
       completed epoch and ends bit-identical to an uninterrupted run on CPU, provided
       each epoch yields the same batches. ``keras.callbacks.BackupAndRestore`` works as
       with ``fit``.
-    * XLA: ``jit_compile=True`` by default when ``train`` compiles; if the step cannot be
-      compiled (an op without an XLA kernel, such as ``tf.py_function``), it runs
-      without XLA and a warning says so. Under several replicas (``MirroredStrategy``,
+    * XLA: ``jit_compile="auto"`` by default, as ``compile``'s: XLA where a GPU or TPU
+      is present, not on a CPU alone, where compiling the step costs more than it saves
+      on a run of up to ten epochs (``benchmarks/cold_start.py``). With
+      ``jit_compile=True``, a step XLA cannot compile (an op without an XLA kernel, such
+      as ``tf.py_function``) runs without XLA and a warning says so. Under several replicas (``MirroredStrategy``,
       several workers) the step runs without XLA: Keras' XLA step there reads variables
       of other devices, which XLA refuses (``fit`` fails with ``InvalidArgumentError``).
     * Mixed precision: ``compile`` wraps the optimizer of a ``mixed_float16`` model in a

@@ -1,0 +1,134 @@
+"""What does a first call of ``train`` cost, as a user meets it?
+
+A fresh model, the whole call (compile, tracing, every epoch), against ``model.fit`` on
+the same fresh model with its defaults (``jit_compile="auto"``: no XLA on CPU) and with
+``jit_compile=True``, at 1, 3 and 10 epochs, for a small MLP (8 -> 64 -> 1, 128 batches
+of 256 an epoch: per-step overhead dominates) and a compute-bound one (256 -> 512 -> 512
+-> 1, 16 batches of 256). ``train(on_nonfinite="ignore")`` (the same call without the
+guard) gives the guard's share of the fixed cost.
+
+The runs alternate within a round (all variants of one configuration, in a rotating
+order), and each ratio is the median over rounds of the ratio of runs made in the same
+round, with its quartiles, for wall-clock time and for process CPU time. Targets (on
+CPU): ``train`` / ``fit`` defaults <= 1.0 at every length for both models; the guard's
+share of ``train``'s 1-epoch call (the median over rounds of guarded - unguarded, over
+the median guarded call) <= 10 %. Run with::
+
+    python benchmarks/cold_start.py [--quick] [--rounds N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+from companion.training import train  # noqa: E402
+
+MODELS = {
+    # name: (features, width, depth, batches per epoch)
+    "small": (8, 64, 1, 128),
+    "compute-bound": (256, 512, 2, 16),
+}
+BATCH = 256
+VARIANTS = ("train", "train_unguarded", "fit", "fit_xla")
+TARGET = 1.0
+GUARD_SHARE_TARGET = 0.10
+
+
+def data(features: int, batches: int):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batches * BATCH, features)).astype("float32")
+    w = rng.normal(size=(features, 1)).astype("float32") / np.sqrt(features)
+    return x, np.tanh(x @ w)
+
+
+def fresh_model(features: int, width: int, depth: int) -> keras.Model:
+    keras.utils.set_random_seed(0)
+    layers = [keras.Input((features,))]
+    layers += [keras.layers.Dense(width, activation="relu") for _ in range(depth)]
+    layers.append(keras.layers.Dense(1))
+    return keras.Sequential(layers)
+
+
+def run(variant: str, spec, x, y, epochs: int) -> tuple[float, float]:
+    """Wall-clock and process CPU seconds of one whole call on a fresh model."""
+    model = fresh_model(*spec[:3])
+    wall, cpu = time.perf_counter(), time.process_time()
+    if variant.startswith("train"):
+        on_nonfinite = "ignore" if variant == "train_unguarded" else "skip"
+        train(model, x, y, batch_size=BATCH, epochs=epochs, loss="mse", optimizer=keras.optimizers.Adam(1e-3),
+              on_nonfinite=on_nonfinite, verbose=0)
+    else:
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse",
+                      jit_compile=True if variant == "fit_xla" else "auto")
+        model.fit(x, y, batch_size=BATCH, epochs=epochs, verbose=0)
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def quartiles(values):
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one round, 1 epoch, the small model (seconds)")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args(argv)
+    rounds = 1 if args.quick else args.rounds
+    lengths = (1,) if args.quick else (1, 3, 10)
+    models = {"small": MODELS["small"]} if args.quick else MODELS
+    # One warm-up call of each variant, so that the first configuration does not pay
+    # TensorFlow's own first-use costs (kernel registration, thread pools).
+    spec = MODELS["small"]
+    x, y = data(spec[0], 2)
+    for variant in VARIANTS:
+        run(variant, spec, x, y, 1)
+
+    verdicts = []
+    print(f"{'model':<14}{'epochs':>6}  {'train s':>8}{'unguarded':>10}{'fit s':>8}{'fit XLA':>8}"
+          f"  {'train/fit (quartiles)':>24}  {'CPU':>6}  verdict")
+    for name, spec in models.items():
+        x, y = data(spec[0], spec[3])
+        for epochs in lengths:
+            walls = {v: [] for v in VARIANTS}
+            cpus = {v: [] for v in VARIANTS}
+            for r in range(rounds):
+                order = VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)]
+                for variant in order:
+                    wall, cpu = run(variant, spec, x, y, epochs)
+                    walls[variant].append(wall)
+                    cpus[variant].append(cpu)
+            ratios = [t / f for t, f in zip(walls["train"], walls["fit"])]
+            cpu_ratios = [t / f for t, f in zip(cpus["train"], cpus["fit"])]
+            q1, median, q3 = quartiles(ratios)
+            cpu_median = statistics.median(cpu_ratios)
+            met = median <= TARGET
+            verdicts.append(met)
+            medians = {v: statistics.median(walls[v]) for v in VARIANTS}
+            print(f"{name:<14}{epochs:>6}  {medians['train']:>8.2f}{medians['train_unguarded']:>10.2f}"
+                  f"{medians['fit']:>8.2f}{medians['fit_xla']:>8.2f}  {median:>10.2f} ({q1:.2f}-{q3:.2f})"
+                  f"  {cpu_median:>6.2f}  {'met' if met else 'not met'} (target {TARGET})", flush=True)
+            if epochs == 1:
+                guard = statistics.median(
+                    [g - u for g, u in zip(walls["train"], walls["train_unguarded"])]
+                )
+                share = guard / medians["train"]
+                print(f"{'':<14}{'':>6}  guard's share of train's 1-epoch call: {share:.0%} "
+                      f"(target <= {GUARD_SHARE_TARGET:.0%})", flush=True)
+    print(f"verdict: the median ratio of each row (quartiles beside it); {sum(verdicts)} of {len(verdicts)} met")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
