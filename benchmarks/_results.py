@@ -100,14 +100,15 @@ def default_path(benchmark: str) -> str:
     return str(RESULTS / f"{benchmark}--{name}--onednn-{onednn}.json")
 
 
-def write_results(path: str, benchmark: str, ratios: list[dict]) -> None:
+def write_results(path: str, benchmark: str, ratios: list[dict], extra: dict | None = None) -> None:
     """Write ``ratios`` (dicts with at least ``label``, ``ratio`` and ``target``) as JSON.
 
     Each ratio is "lower is better" and ``met`` is added as ``ratio <= target``. The file
     also records where and how it was measured (``cpu``, ``onednn``, ``stack``, the
     ``load_average`` over 1, 5 and 15 minutes when it was written, and, for
     pages written for the first format, ``machine``, ``tensorflow`` and ``keras``), so a
-    page showing it can say so. ``path`` "auto" means `default_path`.
+    page showing it can say so. ``path`` "auto" means `default_path`. ``extra``: further
+    fields of the document (e.g. ``cold_start``'s ``split``).
     """
     import tensorflow as tf
 
@@ -138,6 +139,7 @@ def write_results(path: str, benchmark: str, ratios: list[dict]) -> None:
         "tensorflow": versions["tensorflow"],
         "keras": versions["keras"],
         "ratios": rows,
+        **(extra or {}),
     }
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as handle:

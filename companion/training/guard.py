@@ -233,7 +233,7 @@ class GuardedStep:
                 except (RuntimeError, NotImplementedError):
                     pass
         self.state = state = self._state()
-        saved = [tf.identity(tf.convert_to_tensor(v)) for v in state]
+        saved = [_read(v) for v in state] if self.replicas == 1 else [tf.identity(tf.convert_to_tensor(v)) for v in state]
         written = tf.convert_to_tensor(self.written)
         consecutive = tf.convert_to_tensor(self.consecutive)
         halted = consecutive >= self.limit
@@ -255,7 +255,8 @@ class GuardedStep:
         if self.guard:
             checks = [applied, tf.math.is_finite(loss), tf.math.is_finite(norm), _all_finite(_float_values(logs))]
             if self.replicas == 1:
-                checks.append(_all_finite([v for v, _ in restored]))
+                now = [_read(v) for v, _ in restored]
+                checks.append(_all_finite(now))
             else:
                 # The same decision on every replica and worker (the update's own test
                 # is taken on summed gradients already).
@@ -263,7 +264,7 @@ class GuardedStep:
                 bad = tf.cast(tf.logical_not(tf.reduce_all(tf.stack(checks[1:]))), tf.float32)
                 checks[1:] = [context.all_reduce(tf.distribute.ReduceOp.SUM, bad) < 0.5]
             applied = tf.reduce_all(tf.stack(checks))
-        self._put_back(restored, applied)
+        self._put_back(restored, applied, now if self.guard and self.replicas == 1 else None)
         counts = self._counts(slot) if self.guard and self.variables else None
         row = tf.stack([tf.cast(loss, tf.float32), tf.cast(norm, tf.float32), tf.cast(applied, tf.float32), scale])
 
@@ -293,26 +294,33 @@ class GuardedStep:
                 logs = self._last_good_logs(logs, applied)
         return self._per_worker_logs(logs)
 
-    def _put_back(self, restored, applied) -> None:
+    def _put_back(self, restored, applied, now=None) -> None:
         """Every variable of ``restored`` to its value before the step, unless ``applied``.
 
         Under XLA as one select per variable, which XLA fuses into the step's element-wise
         work (a conditional there makes XLA copy every variable); without XLA under a
-        conditional, so that a clean step writes nothing more.
+        conditional, so that a clean step writes nothing more. On one replica with raw
+        reads and writes of the variables' handles (``now``: their values after the
+        step), which cost a fraction of Keras' ``assign`` to trace.
         """
         if not restored:
             return
-        if self.replicas == 1 and not self.model.jit_compile:
+        if self.replicas > 1:
+            for variable, value in restored:
+                variable.assign(tf.where(applied, tf.convert_to_tensor(variable), value))
+            return
+        if not self.model.jit_compile:
 
             def put_back():
-                for variable, value in restored:
-                    variable.assign(value)
+                for (variable, value) in restored:
+                    tf.raw_ops.AssignVariableOp(resource=variable.handle, value=value)
                 return tf.constant(0)
 
             tf.cond(applied, lambda: tf.constant(0), put_back)
             return
-        for variable, value in restored:
-            variable.assign(tf.where(applied, tf.convert_to_tensor(variable), value))
+        for (variable, value), new in zip(restored, now):
+            tf.raw_ops.AssignVariableOp(resource=variable.handle, value=tf.raw_ops.SelectV2(
+                condition=applied, t=new, e=value))
 
     def _logged_loss(self, logs):
         """The step's loss when the step did not call ``scale_loss``: its logged ``loss``, or
@@ -608,14 +616,22 @@ def _float_values(logs, scalars: bool = False) -> list:
     return values
 
 
+def _read(variable) -> tf.Tensor:
+    """The variable's value, read straight from its handle (a Keras or a TensorFlow variable)."""
+    return tf.raw_ops.ReadVariableOp(resource=variable.handle, dtype=tf.as_dtype(variable.dtype))
+
+
 def _all_finite(values) -> tf.Tensor:
     """Whether every entry of every floating tensor or variable of ``values`` is finite."""
     flags = []
     for value in values:
         value = tf.convert_to_tensor(value)
         if value.dtype.is_floating:
-            flags.append(tf.reduce_all(tf.math.is_finite(value)))
-    return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
+            axes = list(range(value.shape.rank)) if value.shape.rank is not None else tf.range(tf.rank(value))
+            flags.append(tf.raw_ops.All(input=tf.raw_ops.IsFinite(x=value), axis=axes))
+    if not flags:
+        return tf.constant(True)
+    return flags[0] if len(flags) == 1 else tf.raw_ops.All(input=tf.stack(flags), axis=0)
 
 
 #: Per model: what train learnt about it (an optimizer whose update cannot be masked),
