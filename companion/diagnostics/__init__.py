@@ -11,6 +11,10 @@
   one batch.
 * :func:`locate_nonfinite` says *where* the first non-finite value of any function is
   produced, op by op.
+* :meth:`Diagnosis.save` writes the failing step to one file (a NaN capsule) and
+  :func:`replay` re-runs it on an edited model or step: is it finite now?
+* ``python -m companion.diagnostics script.py [args]`` runs an unmodified training
+  script with a :class:`NaNDoctor` on every ``fit`` (and ``train``) it calls.
 
 The package, one idea per module: ``gradients`` (per-variable records), ``sources``
 (which stack frames are the user's, which layer is running), ``trace``
@@ -26,6 +30,7 @@ step :func:`companion.training.train` skips, under any strategy and on every wor
 from __future__ import annotations
 
 from companion.diagnostics.callback import NaNDoctor
+from companion.diagnostics.capsule import Replayed, replay
 from companion.diagnostics.causes import CAUSES, Cause
 from companion.diagnostics.doctor import Diagnosis, diagnose
 from companion.diagnostics.function import diagnose_function
@@ -51,4 +56,6 @@ __all__ = [
     "NonFiniteLocation",
     "locate_nonfinite",
     "nonfinite_gradients",
+    "Replayed",
+    "replay",
 ]

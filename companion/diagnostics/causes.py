@@ -124,6 +124,15 @@ CAUSES: dict[str, Cause] = {
         "bisection, and report it to TensorFlow if the op-by-op result is right",
         "book/case_a/clipping_and_guards#check-numerics-forward-backward-and-xla",
     ),
+    "not_reproducible": Cause(
+        "the step was non-finite once, and finite when run again on the same batch, "
+        "weights and seeds: non-determinism (a kernel without a deterministic "
+        "implementation, a race, a reshuffled batch) or a hardware fault",
+        "run with tf.config.experimental.enable_op_determinism() and the same seeds; "
+        "save the step (Diagnosis.save) and replay it on another machine; a NaN that "
+        "never repeats is skipped by companion.training.train",
+        "book/tools/training_loop#a-run-with-skipped-steps",
+    ),
     "unclassified": Cause(
         "a non-finite value whose cause the doctor does not recognise",
         "read the op, its inputs and the line below; locate_nonfinite on a smaller "
