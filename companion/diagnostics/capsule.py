@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from typing import Any, Callable
 
 import keras
@@ -247,9 +248,19 @@ def _restore_into(model, saved: dict) -> tuple[int, tuple[str, ...]]:
     if isinstance(optimizer, keras.optimizers.Optimizer) and not optimizer.built and model.built:
         optimizer.build(model.trainable_variables)
     targets = dict(named_variables(model))
+    # A rebuilt model has other automatic names (custom_3/dense_3): match the rest in order.
+    by_shape: dict[str, list] = {}
+    for key, variable in targets.items():
+        by_shape.setdefault(_generic(key), []).append(key)
     restored, missing = 0, []
     for key, value in saved.items():
-        variable = targets.get(key)
+        if key not in targets and by_shape.get(_generic(key)):
+            key_here = by_shape[_generic(key)].pop(0)
+        else:
+            key_here = key
+            if _generic(key) in by_shape and key in by_shape[_generic(key)]:
+                by_shape[_generic(key)].remove(key)
+        variable = targets.get(key_here)
         if variable is None or tuple(variable.shape) != tuple(value.shape):
             missing.append(key)
             continue
@@ -257,6 +268,14 @@ def _restore_into(model, saved: dict) -> tuple[int, tuple[str, ...]]:
         variable.assign(tf.cast(tf.convert_to_tensor(value), dtype) if dtype != tf.as_dtype(value.dtype) else value)
         restored += 1
     return restored, tuple(missing)
+
+
+def _generic(key: str) -> str:
+    """A key without the model's name and Keras' numbering: ``model/custom_3/dense_3/kernel`` -> ``model/dense/kernel``."""
+    parts = key.split("/")
+    if len(parts) > 2 and not parts[0].startswith("random"):
+        parts = [parts[0]] + parts[2:]  # the model's or optimizer's own name may differ too
+    return "/".join(re.sub(r"_\d+$", "", part) for part in parts)
 
 
 def replay(
@@ -291,6 +310,8 @@ def replay(
         ValueError: if ``path`` is not a capsule.
 
     Example:
+        >>> import tempfile
+        >>> from companion.diagnostics import diagnose
         >>> model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
         >>> model.compile(loss=lambda y, p: tf.math.log(p - p), optimizer="sgd")
         >>> d = diagnose(model, (np.ones((2, 1)), np.ones((2, 1))))

@@ -33,8 +33,9 @@ def diagnose_function(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Diag
     drops in the forward pass is told apart from one that reaches the loss: if every
     non-finite forward value was dropped by a ``tf.where`` (or none appeared), the
     culprit is the first non-finite op of the backward pass; else the first forward
-    one. If ``fn`` returns tensors (its loss, its gradients) and all of them are finite,
-    the non-finite values on the way were harmless and the result is ``None``. The
+    one. If ``fn`` returns tensors (its loss, its gradients), all of them are finite, and
+    it assigned no NaN or Inf to a variable (an optimizer applying a NaN gradient), the
+    non-finite values on the way were harmless and the result is ``None``. The
     fields are those of :func:`diagnose`, with ``batch=None`` (the report shows the
     symptom instead) and the variables unnamed (``fn`` owns them). If the arguments are
     tensors or arrays, :meth:`Diagnosis.save` writes them, and
@@ -74,7 +75,7 @@ def diagnose_function(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Diag
     finally:
         if tf_filtering:
             tf.debugging.enable_traceback_filtering()
-    if not tracer.events or _all_finite_results(result):
+    if not tracer.events or (_all_finite_results(result) and not tracer.nonfinite_writes):
         return None
     event = culprit(tracer)
     found = from_event(
