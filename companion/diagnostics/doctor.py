@@ -198,24 +198,38 @@ def diagnose(
 ) -> Diagnosis | None:
     """Find the first batch whose loss or gradients are not finite, and say why.
 
-    Each batch goes through the loss and its gradients as ``fit``'s compiled step
-    computes them (``model.compute_loss``: sample weights, a loss per output,
+    A model with its own ``train_step`` (a GAN with two optimizers, a VAE, Keras'
+    guide's *customizing fit* model) or without a compiled loss, and no ``loss`` given,
+    is scanned by running its own ``train_step`` as ``fit`` does, with every variable it
+    may write (the model's, its metrics', every optimizer's, the random generators')
+    saved before and restored after each batch; a batch is non-finite when a logged
+    value or a variable it writes is; its op-by-op re-run names the first op that made a
+    non-finite value (the backward op of the user's loss, not the optimizer's ``Sub``
+    that consumes the NaN gradient). Otherwise each batch goes through the loss and its
+    gradients as ``fit``'s compiled step computes them (``model.compute_loss``: sample weights, a loss per output,
     regularisation; XLA if the model was compiled with ``jit_compile``), with no update
     and no change to the model's state. At the first non-finite batch the doctor checks
     the batch's inputs, targets and sample weights, then the model's weights, then
     re-runs the batch op by op: the first forward op whose output is not finite (if
     the loss is not), else the first op of the backward pass, reported with the
     forward op it differentiates, its layer and its line. The cause is named from that
-    op and the values of its inputs.
+    op and the values of its inputs. The failing step is run a second time first: if it
+    is finite then, the cause is ``"not_reproducible"`` (non-determinism or hardware)
+    rather than an op; and if the op-by-op re-run raises where the compiled step only
+    returned NaN (an eager kernel checks what the XLA kernel does not), the error is
+    reported in the diagnosis, never raised. For a NaN in the data, the variables are
+    those whose gradients (or, for an own ``train_step``, whose new values) it makes
+    non-finite.
 
     Args:
-        model: a Keras model, compiled or not.
+        model: a Keras model, compiled or not (not compiled: with ``loss``, or its own
+            ``train_step``).
         data: what ``fit`` takes: a ``tf.data.Dataset`` of ``(x, y[, sample_weight])``
             batches, a :class:`keras.utils.PyDataset`, arrays (``x`` with ``y=``, or an
             ``(x, y[, sample_weight])`` tuple, batched by ``batch_size`` in order), a
             single batch, or any iterable of batches.
-        loss: the loss; ``None`` uses the model's compiled loss (an uncompiled model
-            needs one).
+        loss: the loss; ``None`` uses the model's compiled loss, or its own
+            ``train_step`` if it overrides it or has no compiled loss.
         y: targets, when ``data`` is the inputs.
         sample_weight: sample weights, when ``data`` is the inputs.
         batch_size: for arrays, the batch size (``fit``'s default, 32, if ``None``).
@@ -236,7 +250,8 @@ def diagnose(
 
     Raises:
         TypeError: if ``model`` is not a Keras model or ``data`` is not data.
-        ValueError: if the model is not compiled and ``loss`` is ``None``.
+        ValueError: if the model has neither a loss (``loss`` or compiled) nor its own
+            ``train_step``.
 
     Example:
         >>> class Root(keras.layers.Layer):
