@@ -503,3 +503,58 @@ def test_a_fully_masked_softmax_row_is_named_by_its_row_not_by_counting_the_mask
     assert "every input of each is -inf" in softmax.inputs_summary
     assert "the other 3 rows' -inf entries are masked as intended" in softmax.inputs_summary
     assert "10 of 24" not in softmax.inputs_summary  # no count of the mask's -inf entries
+
+
+# --------------------------------------------------------------------------------------
+# A remedy that cures, and says so
+# --------------------------------------------------------------------------------------
+
+
+class Energy(keras.layers.Layer):
+    """The float16 overflow of keras-team/keras#11832: a square above 65504."""
+
+    def __init__(self, reduce=True, **kwargs):
+        super().__init__(**kwargs)
+        self.reduce = reduce
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(), initializer="ones", name="w")
+
+    def call(self, x):
+        energy = tf.square(self.w * x)  # the energy line
+        if self.reduce:
+            return tf.reduce_mean(energy, axis=-1, keepdims=True) / 1000.0  # back in float16's range
+        return energy
+
+
+def mixed_case(reduce: bool):
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), Energy(reduce, name="energy"), keras.layers.Dense(1)], name="net")
+        model.compile(loss="mse", optimizer="sgd")
+        return diagnose(model, (np.full((4, 4), 300.0, "float32"), np.ones((4, 1), "float32")))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def test_a_float16_overflow_in_a_layer_is_cured_by_that_layers_float32_policy_and_verified():
+    d = mixed_case(reduce=True)
+    assert (d.cause, d.op, d.layer, d.dtype) == ("overflow", "Square", "net/energy", "float16")
+    assert d.remedy.startswith('compute net/energy in float32: Energy(..., dtype="float32")')
+    assert d.verified == "verified: the step is finite with net/energy's dtype policy float32"
+    assert "  checked:   verified: the step is finite with net/energy" in str(d)
+
+
+def test_a_remedy_that_does_not_cure_is_said_not_verified():
+    d = mixed_case(reduce=False)  # 90000 leaves the layer and overflows the next one's float16
+    assert (d.cause, d.layer) == ("overflow", "net/energy")
+    assert d.verified == "not verified: the step is still non-finite with net/energy's dtype policy float32"
+
+
+def test_a_nan_in_the_data_is_verified_by_the_step_without_its_rows():
+    x, y = convnet_data()
+    d = diagnose(convnet(), (x, y), batch_size=8)
+    assert (d.cause, d.batch) == ("nonfinite_input", 1)
+    assert d.remedy.startswith("drop or impute row 5 of the batch")
+    assert d.verified == "verified: the step is finite without row 5"

@@ -32,6 +32,7 @@ from companion.diagnostics.gradients import _variable_path
 from companion.diagnostics.locate import dtype_name
 from companion.diagnostics.sources import source_text
 from companion.diagnostics.state import restore as _restore
+from companion.diagnostics.remedies import verify
 from companion.diagnostics.state import snapshot
 from companion.diagnostics.step import OwnStepScan, culprit, pack, step_variables, uses_own_step, written_variables
 from companion.diagnostics.step import logs_values as _logs_values
@@ -74,6 +75,11 @@ class Diagnosis:
             the worker whose shard made the NaN; else ``None``.
         epoch: the epoch (0-based) of the ``fit`` or ``train`` step, when the doctor ran
             inside one (``batch`` is then counted within that epoch); else ``None``.
+        remedy: the remedy chosen for this case from the op and its context, where one
+            is mechanical (an overflow in a float16 layer: that layer's float32
+            policy; a NaN in the data: the step without those rows); else ``None``.
+        verified: whether that remedy, applied to the failing step, makes it finite:
+            ``"verified: the step is finite with ..."`` or ``"not verified: ..."``.
 
     A diagnosis made by :func:`diagnose` (and so by :class:`NaNDoctor` and ``train``)
     also keeps the failing step's state in memory: :meth:`save` writes it to a file
@@ -97,6 +103,8 @@ class Diagnosis:
     code: str | None = None
     worker: int | None = None
     epoch: int | None = None
+    remedy: str | None = None
+    verified: str | None = None
 
     def save(self, path: str | os.PathLike) -> str:
         """Write the failing step to one ``.npz`` file: a NaN capsule.
@@ -291,6 +299,7 @@ def diagnose(
     result = _diagnose_batch(
         model, loss_fn, index, x, y_true, weights, compiled, jit_compile, fallback, tuple(losses_before)
     )
+    result = verify(result, model, loss_fn, x, y_true, weights)
     keep_state(result, {"kind": "model", "batch": (x, y_true, weights), "variables": state, "own_step": own,
                         "numpy_random": np.random.get_state()})
     return result

@@ -39,6 +39,10 @@ def _rows(diagnosis) -> list[tuple[str, str]]:
         more = f" (+{len(d.variables) - 3} more)" if len(d.variables) > 3 else ""
         rows.append(("variables", ", ".join(d.variables[:3]) + more))
     rows.append(("cause", f"{d.cause}: {d.description}"))
+    if getattr(d, "remedy", None):
+        rows.append(("remedy", d.remedy))
+    if getattr(d, "verified", None):
+        rows.append(("checked", d.verified))
     rows.append(("fix", d.fix))
     rows.append(("book", d.section))
     if d.mode_disagreement:
