@@ -23,8 +23,12 @@ The package, one idea per module: ``gradients`` (per-variable records), ``source
 ``fit`` takes it), ``doctor`` (:func:`diagnose`), ``function``
 (:func:`diagnose_function`), ``report`` (text and HTML), ``callback``
 (:class:`NaNDoctor`), ``state`` (every replica's copy of a variable, saved and
-restored, so the doctor changes nothing) and ``hooks`` (the diagnosis of the first
-step :func:`companion.training.train` skips, under any strategy and on every worker).
+restored, so the doctor changes nothing), ``hooks`` (the diagnosis of the first
+step :func:`companion.training.train` skips, under any strategy and on every worker),
+``step`` (a model's own ``train_step`` as the doctor runs it, and which non-finite op
+is the culprit), ``remedies`` (a remedy for the case, tried on the failing step),
+``capsule`` (:meth:`Diagnosis.save` and :func:`replay`) and ``__main__``
+(``python -m companion.diagnostics``).
 """
 
 from __future__ import annotations
