@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from companion.numerics import double_where
 
-__all__ = ["REPORTS", "Rebuild", "ReportInfo", "rebuild", "run_as_reported"]
+__all__ = ["REPORTS", "CustomStep", "Rebuild", "ReportInfo", "rebuild", "run_as_reported"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -406,3 +406,48 @@ def run_as_reported(r: Rebuild, callbacks=()) -> dict[str, Any]:
         losses = [float(step(x, y)) for _ in range(r.epochs)]
     weights_finite = all(bool(np.isfinite(v.numpy()).all()) for v in r.model.weights)
     return {"losses": losses, "weights_finite": weights_finite}
+
+
+class CustomStep(keras.Model):
+    """A model with its own ``train_step`` and its own optimizer (issue 27's example).
+
+    Its loss is ``mean(sqrt((p - y)**2))``: the derivative ``(p - y) / |p - y|`` is
+    ``0 / 0`` wherever a prediction equals its target, so the loss stays finite and the
+    step writes ``NaN`` into the kernel. ``fixed=True`` uses ``mean(|p - y|)`` instead,
+    whose subgradient at 0 is 0. The update goes through ``self.d_opt``, not
+    ``model.optimizer`` (as keras.io's GANs do with ``d_optimizer``/``g_optimizer``).
+
+    Args:
+        fixed: use ``|p - y|`` (default ``False``).
+
+    Example:
+        >>> model = CustomStep()
+        >>> model.compile(optimizer="sgd")
+        >>> x, y = np.zeros((4, 2), "float32"), np.zeros((4, 1), "float32")
+        >>> _ = model.fit(x, y, verbose=0)
+        >>> bool(np.isnan(model.dense.kernel.numpy()).any())
+        True
+    """
+
+    def __init__(self, fixed: bool = False, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.fixed = bool(fixed)
+        self.dense = keras.layers.Dense(1, use_bias=False)
+        self.d_opt = keras.optimizers.SGD(0.1)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            if self.fixed:
+                loss = tf.reduce_mean(tf.abs(self(x) - y))
+            else:
+                loss = tf.reduce_mean(tf.sqrt(tf.square(self(x) - y)))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.d_opt.apply_gradients(zip(grads, self.trainable_variables))
+        return {"loss": loss}
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "fixed": self.fixed}

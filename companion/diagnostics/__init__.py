@@ -11,6 +11,10 @@
   one batch.
 * :func:`locate_nonfinite` says *where* the first non-finite value of any function is
   produced, op by op.
+* :meth:`Diagnosis.save` writes the failing step to one file (a NaN capsule) and
+  :func:`replay` re-runs it on an edited model or step: is it finite now?
+* ``python -m companion.diagnostics script.py [args]`` runs an unmodified training
+  script with a :class:`NaNDoctor` on every ``fit`` (and ``train``) it calls.
 
 The package, one idea per module: ``gradients`` (per-variable records), ``sources``
 (which stack frames are the user's, which layer is running), ``trace``
@@ -19,13 +23,18 @@ The package, one idea per module: ``gradients`` (per-variable records), ``source
 ``fit`` takes it), ``doctor`` (:func:`diagnose`), ``function``
 (:func:`diagnose_function`), ``report`` (text and HTML), ``callback``
 (:class:`NaNDoctor`), ``state`` (every replica's copy of a variable, saved and
-restored, so the doctor changes nothing) and ``hooks`` (the diagnosis of the first
-step :func:`companion.training.train` skips, under any strategy and on every worker).
+restored, so the doctor changes nothing), ``hooks`` (the diagnosis of the first
+step :func:`companion.training.train` skips, under any strategy and on every worker),
+``step`` (a model's own ``train_step`` as the doctor runs it, and which non-finite op
+is the culprit), ``remedies`` (a remedy for the case, tried on the failing step),
+``capsule`` (:meth:`Diagnosis.save` and :func:`replay`) and ``__main__``
+(``python -m companion.diagnostics``).
 """
 
 from __future__ import annotations
 
 from companion.diagnostics.callback import NaNDoctor
+from companion.diagnostics.capsule import Replayed, replay
 from companion.diagnostics.causes import CAUSES, Cause
 from companion.diagnostics.doctor import Diagnosis, diagnose
 from companion.diagnostics.function import diagnose_function
@@ -51,4 +60,6 @@ __all__ = [
     "NonFiniteLocation",
     "locate_nonfinite",
     "nonfinite_gradients",
+    "Replayed",
+    "replay",
 ]

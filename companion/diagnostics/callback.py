@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import collections
-import math
 import sys
+import warnings
 import weakref
 from typing import Any, Callable
 
@@ -14,41 +13,49 @@ import tensorflow as tf
 
 from companion import _tf_internals
 from companion._gradients import all_finite
-from companion.diagnostics.doctor import Diagnosis, diagnose
+from companion.diagnostics.doctor import Diagnosis, diagnose, replace
+from companion.diagnostics.step import step_variables
 
 __all__ = ["NaNDoctor"]
 
 
 class NaNDoctor(keras.callbacks.Callback):
-    """Diagnose the first batch of ``fit`` whose loss is not finite: one added line.
+    """Diagnose the first batch of ``fit`` that makes anything non-finite: one added line.
 
     ``model.fit(x, y, callbacks=[NaNDoctor()])``. After every batch the callback
-    looks at the loss ``fit`` logs, as :class:`keras.callbacks.TerminateOnNaN` does.
-    Before each batch it copies the model's weights on their device, without waiting
-    for the copy (one compiled call, no check and no transfer to the host: the
-    doctor's cost on a clean batch, measured by ``benchmarks/doctor.py``); it keeps the
-    last two copies. At the first non-finite loss (or, at the end of an epoch, a
-    non-finite weight, which a finite loss with infinite gradients leaves behind) it
-    puts back the newest copy whose weights are all finite (``fit`` has applied the
-    non-finite update by then, and a finite loss with NaN gradients shows as a NaN
-    loss one step later), runs :func:`diagnose` on that step's batch (the data ``fit``
-    was given, in order, or ``data``), prints the :class:`Diagnosis` and, by default,
-    stops training, like :class:`keras.callbacks.TerminateOnNaN`.
+    looks at every value ``fit`` logs (``loss``, a GAN's ``d_loss`` and ``g_loss``,
+    metrics), and at the model's variables: one compiled call per batch checks that
+    every weight is finite (one fused ``reduce_all(is_finite)``, the one value read
+    back) and copies the weights and the optimizers' state on their device, for the
+    restore (the cost on a clean batch is measured by ``benchmarks/doctor.py``: a few
+    ms per step for a model of a million parameters with Adam on a 2-core CPU, most of
+    it the copy). So a NaN written into the weights behind a
+    finite loss (max-pooling drops NaN: ``maxpool([nan, 1]) = 1``) is named at the
+    batch that wrote it. At the first non-finite value it puts back the copy from
+    before that batch (``fit`` has applied the non-finite update by then), runs
+    :func:`diagnose` on that step's batch (the data ``fit`` was given, in order, or
+    ``data``) — the compiled loss, or the model's own ``train_step`` if it has one or
+    no compiled loss — prints the :class:`Diagnosis` and, by default, stops training,
+    like :class:`keras.callbacks.TerminateOnNaN`.
+
+    The doctor never breaks the run it watches: any failure of its own is a
+    ``RuntimeWarning``, and training goes on (or stops only as ``stop_training`` says).
 
     Args:
         data: the data to diagnose, as ``fit`` takes it; ``None`` uses the ``x``,
             ``y`` and ``sample_weight`` of the running ``fit`` call.
-        loss: passed to :func:`diagnose` (``None``: the compiled loss).
+        loss: passed to :func:`diagnose` (``None``: the compiled loss, or the model's
+            own ``train_step``).
         stop_training: stop ``fit`` after the diagnosis (default ``True``).
-        restore_weights: keep the restored finite weights (default ``True``); if
-            ``False`` the non-finite weights are put back after the diagnosis.
+        restore_weights: keep the restored finite weights and optimizer state (default
+            ``True``); if ``False`` the non-finite ones are put back after the diagnosis.
         verbose: print the diagnosis (default ``True``).
 
     Attributes:
-        diagnosis: the :class:`Diagnosis`, or ``None`` (nothing non-finite yet, or the
-            NaN did not reproduce).
+        diagnosis: the :class:`Diagnosis`, or ``None`` (nothing non-finite yet).
         batch: ``(epoch, batch)`` of ``fit``'s step that made the first non-finite
-            loss or weight.
+            logged value or weight.
+        nonfinite_logs: the names of the logged values that were not finite then.
 
     Example:
         >>> keras.utils.set_random_seed(0)
@@ -78,75 +85,112 @@ class NaNDoctor(keras.callbacks.Callback):
         self.verbose = bool(verbose)
         self.diagnosis: Diagnosis | None = None
         self.batch: tuple[int, int] | None = None
+        self.nonfinite_logs: tuple[str, ...] = ()
         self._fit_data = None
         self._reset()
 
     def _reset(self) -> None:
-        self._snapshots: collections.deque = collections.deque(maxlen=2)
+        self._before = None  # the variables' values before the running batch
         self._losses: list[float] = []
         self._epoch = 0
         self._done = False
+        self._functions = None
+        self._steps = 0
+
+    def _warn(self, what: str, error: BaseException) -> None:
+        warnings.warn(f"the NaN doctor {what}: {error!r}; training goes on without it", RuntimeWarning, stacklevel=3)
 
     def on_train_begin(self, logs=None) -> None:
-        self._reset()
-        self.diagnosis = None
-        self.batch = None
-        self._copy, self._finite, self._weights_finite = _functions(self.model)
-        self._fit_data = self.data
-        if self._fit_data is None:
-            found = _tf_internals.running_fit_arguments(sys._getframe(1))
-            if found is not None:
-                self._fit_data = found
+        try:
+            self._reset()
+            self.diagnosis = None
+            self.batch = None
+            self.nonfinite_logs = ()
+            self._fit_data = self.data
+            if self._fit_data is None:
+                found = _tf_internals.running_fit_arguments(sys._getframe(1))
+                if found is not None:
+                    self._fit_data = found
+        except Exception as error:  # pragma: no cover - the doctor never ends a run
+            self._done = True
+            self._warn("could not start", error)
 
     def on_epoch_begin(self, epoch, logs=None) -> None:
         self._epoch = epoch
 
     def on_train_batch_begin(self, batch, logs=None) -> None:
-        if not self._done:
-            self._snapshots.append((batch, self._copy()))  # asynchronous: nothing is read back
-
-    def on_epoch_end(self, epoch, logs=None) -> None:
-        # The epoch's last step may have written a NaN that no later batch would see.
-        if not self._done and self._snapshots and not bool(self._weights_finite()):
-            self._found(self._snapshots[-1][0])
+        if self._done:
+            return
+        try:
+            if self._functions is None:
+                self._functions = _functions(self.model)
+            if self._before is None:
+                self._before = self._functions.copy()  # asynchronous: nothing is read back
+        except Exception as error:
+            self._done = True
+            self._warn("could not copy the weights", error)
 
     def on_train_batch_end(self, batch, logs=None) -> None:
-        if self._done or not logs or "loss" not in logs:
+        if self._done:
             return
-        value = float(np.asarray(logs["loss"]))
-        if math.isfinite(value):
-            self._losses.append(value)
-            return
-        self._found(batch)
+        try:
+            bad_logs = _nonfinite_logs(logs)
+            functions = self._functions or _functions(self.model)
+            if functions.stale(self.model, self._steps):
+                # An optimizer built in the first step (a GAN's d_optimizer): watch its state too.
+                self._functions = functions = _functions(self.model)
+                weights_ok, after = bool(functions.finite_now()), functions.copy()
+                if self._before is not None and len(self._before) != len(after):
+                    self._before = None
+            else:
+                weights_ok, after = functions.check_and_copy()
+            self._steps += 1
+            if not bad_logs and weights_ok:
+                if logs and "loss" in logs:
+                    self._losses.append(_as_float(logs["loss"]))
+                self._before = after
+                return
+            self.nonfinite_logs = tuple(bad_logs)
+            self._found(batch)
+        except Exception as error:
+            self._done = True
+            self._warn(f"failed at batch {batch} of epoch {self._epoch}", error)
 
     def _found(self, batch: int) -> None:
         self._done = True
         self.batch = (self._epoch, batch)
-        self._diagnose(batch)
-        if self.stop_training:
-            self.model.stop_training = True
+        try:
+            self._diagnose(batch)
+        finally:
+            if self.stop_training:
+                self.model.stop_training = True
 
     def _diagnose(self, batch: int) -> None:
-        current = self._copy()
-        # The newest snapshot whose weights are all finite (the one before a step that
-        # wrote a NaN with a finite loss, whose NaN loss shows one step later).
-        finite = [(step, values) for step, values in self._snapshots if bool(self._finite(values))]
-        step, values = finite[-1] if finite else (batch, current)
-        self.batch = (self._epoch, step)
-        for variable, value in zip(self.model.variables, values):
-            variable.assign(value)
+        functions = self._functions
+        current = functions.copy()
+        before = self._before if self._before is not None else current
+        functions.assign(before)
         try:
-            self.diagnosis = self._run(step)
+            try:
+                found = self._run(batch)
+            except Exception as error:
+                found = None
+                self._warn(f"could not diagnose batch {batch} of epoch {self._epoch}", error)
+            self.diagnosis = found
         finally:
             if not self.restore_weights:
-                for variable, value in zip(self.model.variables, current):
-                    variable.assign(value)
+                functions.assign(current)
         if self.verbose:
+            what = (
+                f"{', '.join(self.nonfinite_logs)} turned non-finite"
+                if self.nonfinite_logs
+                else "the weights turned non-finite (every logged value is finite)"
+            )
             where = f"fit's batch {batch} of epoch {self._epoch}"
             if self.diagnosis is None:
-                print(f"NaN doctor: the loss turned non-finite at {where}, but the batch is finite when re-run")
+                print(f"NaN doctor: {what} at {where}, but the batch is finite when re-run", flush=True)
             else:
-                print(f"NaN doctor: the loss turned non-finite at {where}.\n{self.diagnosis}")
+                print(f"NaN doctor: {what} at {where}.\n{self.diagnosis}", flush=True)
 
     def _run(self, step: int) -> Diagnosis | None:
         data = self._fit_data
@@ -159,9 +203,73 @@ class NaNDoctor(keras.callbacks.Callback):
             kwargs = {}
         # The step's own batch first (fit's order, if unshuffled), then a scan from the start.
         found = diagnose(self.model, data, self.loss, skip_batches=step, max_batches=1, losses_before=self._losses, **kwargs)
-        if found is None:
-            found = diagnose(self.model, data, self.loss, losses_before=self._losses, **kwargs)
-        return found
+        if found is not None:
+            return replace(found, epoch=self._epoch)
+        return diagnose(self.model, data, self.loss, losses_before=self._losses, **kwargs)
+
+
+def _as_float(value) -> float:
+    try:
+        return float(np.asarray(value, dtype=np.float64).reshape(-1)[0]) if np.size(value) else float("nan")
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def _nonfinite_logs(logs) -> list[str]:
+    """The names of the numeric logged values that hold a NaN or an Inf."""
+    bad = []
+    for name, value in (logs or {}).items():
+        try:
+            array = np.asarray(value)
+        except Exception:  # pragma: no cover - a value NumPy cannot read: not a number
+            continue
+        if array.dtype.kind in "fc" and array.size and not np.all(np.isfinite(array)):
+            bad.append(str(name))
+    return bad
+
+
+class _Functions:
+    """The compiled copy, check and assignment of everything a step may write."""
+
+    def __init__(self, model) -> None:
+        self.variables = [v for v in step_variables(model) if not _is_random_state(v)]
+        self.count = len(self.variables)
+        # Checked: the model's own floating-point variables (a NaN that an optimizer slot
+        # holds reaches them in the same step); copied: everything, for an exact restore.
+        own = {id(v) for v in model.variables}
+        floating = [i for i, v in enumerate(self.variables) if tf.as_dtype(v.dtype).is_floating and id(v) in own]
+        variables = self.variables
+
+        def copy():
+            return [tf.raw_ops.DeepCopy(x=v.value) for v in variables]
+
+        def check_and_copy():
+            values = [tf.raw_ops.DeepCopy(x=v.value) for v in variables]
+            return all_finite([values[i] for i in floating]), values
+
+        def finite(values):
+            return all_finite([values[i] for i in floating])
+
+        self.copy = tf.function(copy, autograph=False)
+        self._check_and_copy = tf.function(check_and_copy, autograph=False)
+        self.finite = tf.function(finite, autograph=False)
+        self.finite_now = tf.function(lambda: all_finite([variables[i].value for i in floating]), autograph=False)
+
+    def check_and_copy(self) -> tuple[bool, list]:
+        ok, values = self._check_and_copy()
+        return bool(ok), values
+
+    def stale(self, model, steps: int) -> bool:
+        """After the first step, whether the step created variables (an optimizer's)."""
+        return steps == 0 and len([v for v in step_variables(model) if not _is_random_state(v)]) != self.count
+
+    def assign(self, values) -> None:
+        for variable, value in zip(self.variables, values):
+            variable.assign(value)
+
+
+def _is_random_state(variable) -> bool:
+    return any(variable is state for state in _tf_internals.global_random_states())
 
 
 #: The compiled copy and checks of each model, kept while its variables are the same, so
@@ -169,28 +277,16 @@ class NaNDoctor(keras.callbacks.Callback):
 _FUNCTIONS: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
 
 
-def _functions(model) -> tuple[Callable, Callable, Callable]:
-    """``(copy(), finite(copies), weights_finite())`` for ``model``'s variables."""
-    variables = list(model.variables)
-    key = tuple(id(v) for v in variables)
+def _functions(model) -> _Functions:
+    """The :class:`_Functions` of ``model``'s current variables (cached)."""
+    key = tuple(id(v) for v in step_variables(model))
     try:
         cached = _FUNCTIONS.get(model)
     except TypeError:  # pragma: no cover - a model that cannot be weakly referenced
         cached = None
     if cached is not None and cached[0] == key:
         return cached[1]
-
-    def copy():
-        return [tf.raw_ops.DeepCopy(x=v.value) for v in variables]
-
-    def finite(values):
-        return all_finite([v for v in values if v.dtype.is_floating])
-
-    functions = (
-        tf.function(copy, autograph=False),
-        tf.function(finite, autograph=False),  # of a copy (tensors: traced once)
-        tf.function(lambda: finite([v.value for v in variables]), autograph=False),
-    )
+    functions = _Functions(model)
     try:
         _FUNCTIONS[model] = (key, functions)
     except TypeError:  # pragma: no cover

@@ -124,6 +124,15 @@ CAUSES: dict[str, Cause] = {
         "bisection, and report it to TensorFlow if the op-by-op result is right",
         "book/case_a/clipping_and_guards#check-numerics-forward-backward-and-xla",
     ),
+    "not_reproducible": Cause(
+        "the step was non-finite once, and finite when run again on the same batch, "
+        "weights and seeds: non-determinism (a kernel without a deterministic "
+        "implementation, a race, a reshuffled batch) or a hardware fault",
+        "run with tf.config.experimental.enable_op_determinism() and the same seeds; "
+        "save the step (Diagnosis.save) and replay it on another machine; a NaN that "
+        "never repeats is skipped by companion.training.train",
+        "book/tools/training_loop#a-run-with-skipped-steps",
+    ),
     "unclassified": Cause(
         "a non-finite value whose cause the doctor does not recognise",
         "read the op, its inputs and the line below; locate_nonfinite on a smaller "
@@ -296,6 +305,10 @@ def _output_cause(op: str, inputs: Sequence, event) -> tuple[str, str]:
     ins = [_as_float(a) for a in inputs]
     bad_inputs = [(i, a) for i, a in enumerate(ins) if a is not None and a.size and not _finite(a).all()]
     output = next((o for o in event.outputs if o is not None and o.size and not _finite(o).all()), None)
+    if bad_inputs and output is not None and op in ROW_OPS and np.ndim(output) >= 1:
+        rows = _row_summary(op, bad_inputs[0][1], output)
+        if rows:
+            return "inf_arithmetic", rows
     if bad_inputs:
         index, array = bad_inputs[0]
         share = f"{_count(~_finite(array))} of {array.size} entries of input {index} of {op} are not finite"
@@ -318,6 +331,43 @@ def _output_cause(op: str, inputs: Sequence, event) -> tuple[str, str]:
         count = _count(~_finite(output))
         return "domain_edge", f"{op} made {count} of {output.size} values non-finite from finite inputs"
     return "unclassified", ""
+
+
+#: Ops that reduce or normalise along their last axis: a non-finite output is reported
+#: by its rows (a fully masked attention row), not by counting masked inputs.
+ROW_OPS = frozenset({"Softmax", "LogSoftmax", "Max", "Min", "Sum", "Mean", "Prod", "Logsumexp"})
+
+
+def _shown(indices) -> str:
+    indices = [str(i) for i in indices]
+    return ", ".join(indices[:5]) + (", ..." if len(indices) > 5 else "")
+
+
+def _row_summary(op: str, array, output) -> str:
+    """Which rows (slices along the last axis) of a masked or reduced op are non-finite."""
+    out = ~_finite(output)
+    if op in ("Softmax", "LogSoftmax") and np.shape(array) == np.shape(output) and np.ndim(output) >= 1:
+        values = np.asarray(array)
+        flat_in = values.reshape(-1, values.shape[-1])
+        bad_rows = np.nonzero(out.reshape(-1, out.shape[-1]).any(axis=1))[0]
+        masked = np.isneginf(flat_in)
+        full = [int(r) for r in bad_rows if masked[r].all()]
+        index = [tuple(int(i) for i in np.unravel_index(r, values.shape[:-1])) if values.ndim > 1 else () for r in bad_rows]
+        where = _shown(i[0] if len(i) == 1 else i for i in index) if index and index[0] != () else "the only row"
+        text = f"{len(bad_rows)} of {flat_in.shape[0]} rows of {op} are non-finite ({where})"
+        if full and len(full) == len(bad_rows):
+            text += ": every input of each is -inf (a fully masked row: -inf - max = NaN)"
+        elif full:
+            text += f"; {len(full)} of them are fully masked (every input -inf)"
+        finite_rows = flat_in.shape[0] - len(bad_rows)
+        if finite_rows and masked.any():
+            text += f"; the other {finite_rows} rows' -inf entries are masked as intended"
+        return text
+    if np.ndim(output) >= 1 and out.any():
+        index = np.argwhere(out)
+        shown = _shown(tuple(int(v) for v in i) if len(i) > 1 else int(i[0]) for i in index)
+        return f"{int(out.sum())} of {out.size} outputs of {op} are non-finite (at {shown})"
+    return ""
 
 
 def grew(losses: Sequence[float]) -> bool:

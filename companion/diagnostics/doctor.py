@@ -32,7 +32,10 @@ from companion.diagnostics.gradients import _variable_path
 from companion.diagnostics.locate import dtype_name
 from companion.diagnostics.sources import source_text
 from companion.diagnostics.state import restore as _restore
+from companion.diagnostics.remedies import verify
 from companion.diagnostics.state import snapshot
+from companion.diagnostics.step import OwnStepScan, culprit, pack, step_variables, uses_own_step, written_variables
+from companion.diagnostics.step import logs_values as _logs_values
 from companion.diagnostics.trace import OpTracer, eager_trace, nonfinite_mask
 from companion.losses import mean_loss, resolve_loss
 
@@ -70,6 +73,17 @@ class Diagnosis:
         code: the text of the ``source`` line.
         worker: in a multi-worker :func:`companion.training.train` run, the index of
             the worker whose shard made the NaN; else ``None``.
+        epoch: the epoch (0-based) of the ``fit`` or ``train`` step, when the doctor ran
+            inside one (``batch`` is then counted within that epoch); else ``None``.
+        remedy: the remedy chosen for this case from the op and its context, where one
+            is mechanical (an overflow in a float16 layer: that layer's float32
+            policy; a NaN in the data: the step without those rows); else ``None``.
+        verified: whether that remedy, applied to the failing step, makes it finite:
+            ``"verified: the step is finite with ..."`` or ``"not verified: ..."``.
+
+    A diagnosis made by :func:`diagnose` (and so by :class:`NaNDoctor` and ``train``)
+    also keeps the failing step's state in memory: :meth:`save` writes it to a file
+    that :func:`~companion.diagnostics.replay` re-runs.
     """
 
     batch: int | None
@@ -88,6 +102,33 @@ class Diagnosis:
     symptom: str = ""
     code: str | None = None
     worker: int | None = None
+    epoch: int | None = None
+    remedy: str | None = None
+    verified: str | None = None
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Write the failing step to one ``.npz`` file: a NaN capsule.
+
+        The file holds the failing batch, every variable of the model and of its
+        optimizers as they were before the step (by path), the states of the global
+        random generators, and this diagnosis as JSON; no pickled object, so
+        ``np.load(path, allow_pickle=False)`` reads it. Attach it to a bug report, or
+        check a fix with :func:`~companion.diagnostics.replay`.
+
+        Args:
+            path: the file to write (``.npz`` is appended by NumPy if missing).
+
+        Returns:
+            The path written.
+
+        Raises:
+            ValueError: if this diagnosis keeps no state (one made by
+                :meth:`from_dict`, or by :func:`diagnose_function` on a function
+                without tensor arguments).
+        """
+        from companion.diagnostics.capsule import save  # noqa: PLC0415 - capsule imports doctor
+
+        return save(self, path)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-compatible dict (the training checkpoint stores it)."""
@@ -165,24 +206,38 @@ def diagnose(
 ) -> Diagnosis | None:
     """Find the first batch whose loss or gradients are not finite, and say why.
 
-    Each batch goes through the loss and its gradients as ``fit``'s compiled step
-    computes them (``model.compute_loss``: sample weights, a loss per output,
+    A model with its own ``train_step`` (a GAN with two optimizers, a VAE, Keras'
+    guide's *customizing fit* model) or without a compiled loss, and no ``loss`` given,
+    is scanned by running its own ``train_step`` as ``fit`` does, with every variable it
+    may write (the model's, its metrics', every optimizer's, the random generators')
+    saved before and restored after each batch; a batch is non-finite when a logged
+    value or a variable it writes is; its op-by-op re-run names the first op that made a
+    non-finite value (the backward op of the user's loss, not the optimizer's ``Sub``
+    that consumes the NaN gradient). Otherwise each batch goes through the loss and its
+    gradients as ``fit``'s compiled step computes them (``model.compute_loss``: sample weights, a loss per output,
     regularisation; XLA if the model was compiled with ``jit_compile``), with no update
     and no change to the model's state. At the first non-finite batch the doctor checks
     the batch's inputs, targets and sample weights, then the model's weights, then
     re-runs the batch op by op: the first forward op whose output is not finite (if
     the loss is not), else the first op of the backward pass, reported with the
     forward op it differentiates, its layer and its line. The cause is named from that
-    op and the values of its inputs.
+    op and the values of its inputs. The failing step is run a second time first: if it
+    is finite then, the cause is ``"not_reproducible"`` (non-determinism or hardware)
+    rather than an op; and if the op-by-op re-run raises where the compiled step only
+    returned NaN (an eager kernel checks what the XLA kernel does not), the error is
+    reported in the diagnosis, never raised. For a NaN in the data, the variables are
+    those whose gradients (or, for an own ``train_step``, whose new values) it makes
+    non-finite.
 
     Args:
-        model: a Keras model, compiled or not.
+        model: a Keras model, compiled or not (not compiled: with ``loss``, or its own
+            ``train_step``).
         data: what ``fit`` takes: a ``tf.data.Dataset`` of ``(x, y[, sample_weight])``
             batches, a :class:`keras.utils.PyDataset`, arrays (``x`` with ``y=``, or an
             ``(x, y[, sample_weight])`` tuple, batched by ``batch_size`` in order), a
             single batch, or any iterable of batches.
-        loss: the loss; ``None`` uses the model's compiled loss (an uncompiled model
-            needs one).
+        loss: the loss; ``None`` uses the model's compiled loss, or its own
+            ``train_step`` if it overrides it or has no compiled loss.
         y: targets, when ``data`` is the inputs.
         sample_weight: sample weights, when ``data`` is the inputs.
         batch_size: for arrays, the batch size (``fit``'s default, 32, if ``None``).
@@ -203,7 +258,8 @@ def diagnose(
 
     Raises:
         TypeError: if ``model`` is not a Keras model or ``data`` is not data.
-        ValueError: if the model is not compiled and ``loss`` is ``None``.
+        ValueError: if the model has neither a loss (``loss`` or compiled) nor its own
+            ``train_step``.
 
     Example:
         >>> class Root(keras.layers.Layer):
@@ -221,7 +277,8 @@ def diagnose(
     """
     if not isinstance(model, keras.layers.Layer):
         raise TypeError(f"model must be a Keras model, got {type(model).__name__}")
-    loss_fn = _loss_function(model, loss)
+    own = uses_own_step(model, loss)
+    loss_fn = None if own else _loss_function(model, loss)
     if jit_compile is None:
         jit_compile = bool(getattr(model, "jit_compile", False)) if getattr(model, "compiled", False) else False
     if hasattr(data, "__next__"):  # an iterator or generator: keep what it yields for the re-scans
@@ -238,9 +295,26 @@ def diagnose(
     if found is None:
         return None
     index, (x, y_true, weights), compiled = found
-    return _diagnose_batch(
+    state = compiled.pop("state", None)
+    result = _diagnose_batch(
         model, loss_fn, index, x, y_true, weights, compiled, jit_compile, fallback, tuple(losses_before)
     )
+    result = verify(result, model, loss_fn, x, y_true, weights)
+    keep_state(result, {"kind": "model", "batch": (x, y_true, weights), "variables": state, "own_step": own,
+                        "numpy_random": np.random.get_state()})
+    return result
+
+
+def keep_state(diagnosis: "Diagnosis", state: dict | None) -> "Diagnosis":
+    """Attach the failing step's state (for :meth:`Diagnosis.save`) to ``diagnosis``."""
+    if diagnosis is not None and state is not None:
+        object.__setattr__(diagnosis, "_capsule", state)
+    return diagnosis
+
+
+def replace(diagnosis: "Diagnosis", **changes) -> "Diagnosis":
+    """``dataclasses.replace`` that keeps the failing step's state."""
+    return keep_state(dataclasses.replace(diagnosis, **changes), getattr(diagnosis, "_capsule", None))
 
 
 def _state(model):
@@ -250,12 +324,38 @@ def _state(model):
 
 def _ensure_built(model, x) -> None:
     if not model.built:
-        model(x)
+        try:
+            model(x)
+        except Exception:  # a model without call() (keras.io's VAE, GAN): its train_step builds it
+            if not uses_own_step(model, None):
+                raise
+
+
+def _before_step(model, own):
+    """What the scanning step may change, saved: everything for an own step, else the state."""
+    return snapshot(step_variables(model)) if own else _state(model)
+
+
+def _run_scan_step(model, step, own, x, y_true, weights):
+    """One scanning step with every variable restored: ``(loss ok, bad variables, bad logs)``."""
+    saved = _before_step(model, own)
+    try:
+        first, second = step(x, y_true, weights)
+    finally:
+        _restore(saved)
+    first, second = np.asarray(first), np.asarray(second)
+    if own:
+        bad_logs = [name for name, ok in zip(step.log_names, first) if not ok]
+        bad = [_variable_path(v) for v, ok in zip(step.written, second) if not ok]
+        return not bad_logs, bad, bad_logs
+    names = [_variable_path(v) for v, ok in zip(model.trainable_variables, second) if not ok]
+    return bool(first), names, []
 
 
 def _scan(model, data, loss_fn, y, sample_weight, batch_size, max_batches, skip, jit):
-    """The first non-finite batch: ``(index, batch, {"loss": bool, "variables": [...]})``."""
+    """The first non-finite batch: ``(index, batch, {"loss": bool, "variables": [...], ...})``."""
     step = None
+    own = loss_fn is None
     for index, batch in enumerate(batches(data, y, sample_weight, batch_size)):
         if max_batches is not None and index >= skip + max_batches:
             break
@@ -264,20 +364,31 @@ def _scan(model, data, loss_fn, y, sample_weight, batch_size, max_batches, skip,
         x, y_true, weights = batch
         _ensure_built(model, x)
         if step is None:
-            step = _compiled_step(model, loss_fn, jit)
-        if nonfinite_data(batch):
-            return index, batch, {"loss": False, "variables": [], "data": True}
-        state = _state(model)
+            step = OwnStepScan(model, jit) if own else _compiled_step(model, loss_fn, jit)
+        bad_data = bool(nonfinite_data(batch))
         try:
-            loss_ok, grads_ok = step(x, y_true, weights)
-        finally:
-            _restore(state)
-        grads_ok = np.asarray(grads_ok)
-        if bool(loss_ok) and grads_ok.all():
+            loss_ok, names, bad_logs = _run_scan_step(model, step, own, x, y_true, weights)
+        except Exception:
+            if not bad_data:
+                raise
+            loss_ok, names, bad_logs = False, [], []
+        if bad_data:
+            return index, batch, {"loss": not loss_ok, "variables": names, "data": True, "logs": bad_logs,
+                                  "state": _capsule_state(model), "own": own}
+        if loss_ok and not names:
             continue
-        names = [_variable_path(v) for v, ok in zip(model.trainable_variables, grads_ok) if not ok]
-        return index, batch, {"loss": not bool(loss_ok), "variables": names}
+        # The same step once more, on the same batch, weights and seeds: does it reproduce?
+        again_ok, again, _ = _run_scan_step(model, step, own, x, y_true, weights)
+        return index, batch, {"loss": not loss_ok, "variables": names, "logs": bad_logs,
+                              "state": _capsule_state(model), "own": own, "reproduced": not (again_ok and not again)}
     return None
+
+
+def _capsule_state(model):
+    """Every variable the step may change, by path, as NumPy arrays (for the capsule)."""
+    from companion.diagnostics.capsule import variables_state  # noqa: PLC0415
+
+    return variables_state(model)
 
 
 def _compiled_step(model, loss_fn, jit):
@@ -338,15 +449,68 @@ def _weights_diagnosis(model, index, compiled, losses_before) -> Diagnosis | Non
 
 
 def _symptom(compiled) -> str:
+    if compiled.get("own"):
+        if compiled.get("logs"):
+            return "non-finite " + ", ".join(compiled["logs"])
+        return "finite logs, non-finite values written"
     if compiled.get("loss"):
         return "non-finite loss"
     return "finite loss, non-finite gradients"
 
 
-def rerun(model, loss_fn, x, y_true, weights) -> tuple[OpTracer, bool, list[str]]:
+def _not_reproduced(index, compiled) -> Diagnosis:
+    cause = CAUSES["not_reproducible"]
+    return Diagnosis(
+        batch=index, phase="loss" if compiled.get("loss") else "backward", op=None, forward_op=None,
+        layer=None, source=None, variables=tuple(compiled.get("variables", ())), dtype=None,
+        inputs_summary="the same step, run again on the same batch, weights and seeds, is finite",
+        cause="not_reproducible", fix=cause.fix, section=cause.section, symptom=_symptom(compiled),
+    )
+
+
+def _rerun_failed(index, compiled, error, bad_variables=()) -> Diagnosis:
+    cause = CAUSES["unclassified"]
+    first = (str(error).strip().splitlines() or [""])[0][:200]
+    return Diagnosis(
+        batch=index, phase="loss" if compiled.get("loss") else "backward", op=None, forward_op=None,
+        layer=None, source=None, variables=tuple(compiled.get("variables", ()) or bad_variables), dtype=None,
+        inputs_summary="no op output of the op-by-op re-run was non-finite before it stopped",
+        cause="unclassified", fix=cause.fix, section=cause.section, symptom=_symptom(compiled),
+        mode_disagreement=(
+            f"the compiled step is non-finite; run op by op it raised {type(error).__name__}: {first} "
+            "(an eager kernel checks what the compiled kernel does not)"
+        ),
+    )
+
+
+def rerun_own(model, x, y_true, weights, tracer) -> tuple[OpTracer, bool, list[str]]:
+    """The model's own ``train_step`` op by op: the tracer, whether its logs are finite, the variables it wrote non-finite."""
+    tf_filtering = tf.debugging.is_traceback_filtering_enabled()
+    keras_filtering = keras.config.is_traceback_filtering_enabled()
+    saved = snapshot(step_variables(model))
+    written = written_variables(model)
+    try:
+        tf.debugging.disable_traceback_filtering()
+        keras.config.disable_traceback_filtering()
+        with eager_trace(tracer):
+            tracer.stage = "forward"
+            logs = model.train_step(pack(x, y_true, weights))
+        values = [v for _, v in _logs_values(logs)]
+        logs_finite = all(bool(np.all(np.isfinite(np.asarray(tf.cast(v, tf.float32))))) for v in values)
+        bad = [_variable_path(v) for v in written if nonfinite_mask(np.asarray(v.numpy())).any()]
+    finally:
+        _restore(saved)
+        if tf_filtering:
+            tf.debugging.enable_traceback_filtering()
+        if keras_filtering:
+            keras.config.enable_traceback_filtering()
+    return tracer, logs_finite, bad
+
+
+def rerun(model, loss_fn, x, y_true, weights, tracer=None) -> tuple[OpTracer, bool, list[str]]:
     """The batch op by op: the tracer, whether the loss is finite, the bad variables."""
     variables = list(model.trainable_variables)
-    tracer = OpTracer()
+    tracer = OpTracer() if tracer is None else tracer
     tf_filtering = tf.debugging.is_traceback_filtering_enabled()
     keras_filtering = keras.config.is_traceback_filtering_enabled()
     state = _state(model)
@@ -384,11 +548,32 @@ def _diagnose_batch(model, loss_fn, index, x, y_true, weights, compiled, jit, fa
     bad_data = nonfinite_data((x, y_true, weights))
     if bad_data:
         return _input_diagnosis(index, bad_data, compiled)
+    if compiled.get("reproduced") is False:
+        return _not_reproduced(index, compiled)
     weights_found = _weights_diagnosis(model, index, compiled, losses_before)
     if weights_found is not None:
         return weights_found
-    tracer, loss_finite, bad_variables = rerun(model, loss_fn, x, y_true, weights)
+    own = loss_fn is None
+    tracer = OpTracer()
+    try:
+        if own:
+            tracer, loss_finite, bad_variables = rerun_own(model, x, y_true, weights, tracer)
+        else:
+            tracer, loss_finite, bad_variables = rerun(model, loss_fn, x, y_true, weights, tracer)
+    except Exception as error:  # an eager kernel that checks what the compiled one did not
+        event = culprit(tracer)
+        if event is None:
+            return _rerun_failed(index, compiled, error)
+        first = (str(error).strip().splitlines() or [""])[0][:200]
+        return replace(
+            from_event(event, tracer, index, tuple(compiled.get("variables", ())), None, event.backward,
+                       losses_before),
+            mode_disagreement=f"the op-by-op re-run stopped after this op with {type(error).__name__}: {first}",
+            symptom=_symptom(compiled),
+        )
     eager_nonfinite = (not loss_finite) or bool(bad_variables)
+    if own:
+        bad_variables = list(compiled.get("variables", ())) or bad_variables
     disagreement = None
     if fallback == "XLA":
         disagreement = (
@@ -418,7 +603,9 @@ def _diagnose_batch(model, loss_fn, index, x, y_true, weights, compiled, jit, fa
             f"{_mode_names(jit)} has {_symptom(compiled)}; the op-by-op re-run has "
             f"{'a non-finite loss' if not loss_finite else 'a finite loss, non-finite gradients'}"
         )
-    if not loss_finite:
+    if own:
+        event = culprit(tracer)
+    elif not loss_finite:
         event = next((e for e in tracer.events if not e.backward), None)
     else:
         event = tracer.first(backward=True)
@@ -432,7 +619,8 @@ def _diagnose_batch(model, loss_fn, index, x, y_true, weights, compiled, jit, fa
             cause="unclassified", fix=cause.fix, section=cause.section, mode_disagreement=disagreement,
             symptom=_symptom({"loss": not loss_finite}),
         )
-    return from_event(event, tracer, index, tuple(bad_variables), disagreement, loss_finite, losses_before)
+    found = from_event(event, tracer, index, tuple(bad_variables), disagreement, loss_finite, losses_before)
+    return replace(found, symptom=_symptom(compiled)) if own else found
 
 
 def from_event(event, tracer, index, variables, disagreement, loss_finite, losses_before) -> Diagnosis:

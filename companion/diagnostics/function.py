@@ -8,7 +8,8 @@ import numpy as np
 import tensorflow as tf
 
 from companion._gradients import gradient_values
-from companion.diagnostics.doctor import Diagnosis, from_event
+from companion.diagnostics.doctor import Diagnosis, from_event, keep_state
+from companion.diagnostics.step import culprit
 from companion.diagnostics.trace import OpTracer, eager_trace, nonfinite_mask
 
 __all__ = ["diagnose_function"]
@@ -32,10 +33,13 @@ def diagnose_function(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Diag
     drops in the forward pass is told apart from one that reaches the loss: if every
     non-finite forward value was dropped by a ``tf.where`` (or none appeared), the
     culprit is the first non-finite op of the backward pass; else the first forward
-    one. If ``fn`` returns tensors (its loss, its gradients) and all of them are finite,
-    the non-finite values on the way were harmless and the result is ``None``. The
-    fields are those of :func:`diagnose`, with ``batch=None`` and the variables unnamed
-    (``fn`` owns them).
+    one. If ``fn`` returns tensors (its loss, its gradients), all of them are finite, and
+    it assigned no NaN or Inf to a variable (an optimizer applying a NaN gradient), the
+    non-finite values on the way were harmless and the result is ``None``. The
+    fields are those of :func:`diagnose`, with ``batch=None`` (the report shows the
+    symptom instead) and the variables unnamed (``fn`` owns them). If the arguments are
+    tensors or arrays, :meth:`Diagnosis.save` writes them, and
+    :func:`~companion.diagnostics.replay` calls a (fixed) function with them again.
 
     Args:
         fn: the step, e.g. a function that runs the model and ``tape.gradient``.
@@ -71,12 +75,22 @@ def diagnose_function(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Diag
     finally:
         if tf_filtering:
             tf.debugging.enable_traceback_filtering()
-    if not tracer.events or _all_finite_results(result):
+    if not tracer.events or (_all_finite_results(result) and not tracer.nonfinite_writes):
         return None
-    forward = [e for e in tracer.events if not e.backward]
-    backward = tracer.first(backward=True)
-    masked = bool(tracer.masked_selects)
-    event = backward if backward is not None and (not forward or masked) else (forward[0] if forward else backward)
-    return from_event(
+    event = culprit(tracer)
+    found = from_event(
         event, tracer, index=None, variables=(), disagreement=None, loss_finite=event.backward, losses_before=()
     )
+    return keep_state(found, _arguments_state(args, kwargs))
+
+
+def _arguments_state(args, kwargs) -> dict | None:
+    """The call's arguments for :meth:`Diagnosis.save`, if they are all tensors or arrays."""
+    if kwargs:
+        return None
+    leaves = tf.nest.flatten(args)
+    if not leaves or not all(isinstance(v, (tf.Tensor, tf.Variable, np.ndarray, np.generic, float, int))
+                             for v in leaves):
+        return None
+    values = tf.nest.map_structure(lambda v: np.asarray(v.numpy() if hasattr(v, "numpy") else v), args)
+    return {"kind": "function", "args": tuple(values), "numpy_random": np.random.get_state()}

@@ -30,7 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 from companion import _tf_internals
-from companion.diagnostics.doctor import Diagnosis, diagnose
+from companion.diagnostics.doctor import Diagnosis, diagnose, replace
 from companion.diagnostics.state import preserved
 
 __all__ = ["diagnose_skipped_step"]
@@ -148,9 +148,10 @@ def _local_replicas(run) -> int:
 
 
 def _with_replica(found: Diagnosis, run, replica: int, position: int) -> Diagnosis:
+    epoch = len(run.history.epoch_steps)  # the epochs completed before this one
     if _local_replicas(run) > 1:
-        return dataclasses.replace(found, batch=position, inputs_summary=f"replica {replica}: {found.inputs_summary}")
-    return dataclasses.replace(found, batch=position)
+        return replace(found, batch=position, epoch=epoch, inputs_summary=f"replica {replica}: {found.inputs_summary}")
+    return replace(found, batch=position, epoch=epoch)
 
 
 def _encode(found: Diagnosis | None) -> bytes:

@@ -12,7 +12,15 @@ _LABEL = 13  # "  variables: " and the like
 
 def _rows(diagnosis) -> list[tuple[str, str]]:
     d = diagnosis
-    rows = [("batch", f"{d.batch}: {d.symptom}" if d.symptom else str(d.batch)), ("phase", d.phase)]
+    rows = []
+    if d.epoch is not None:
+        where = f"epoch {d.epoch}, batch {d.batch}"
+        rows.append(("step", f"{where}: {d.symptom}" if d.symptom else where))
+    elif d.batch is not None:
+        rows.append(("batch", f"{d.batch}: {d.symptom}" if d.symptom else str(d.batch)))
+    elif d.symptom:
+        rows.append(("symptom", d.symptom))
+    rows.append(("phase", d.phase))
     if d.worker is not None:
         rows.append(("worker", str(d.worker)))
     if d.op:
@@ -26,16 +34,32 @@ def _rows(diagnosis) -> list[tuple[str, str]]:
     if d.dtype:
         rows.append(("dtype", d.dtype))
     if d.inputs_summary:
-        rows.append(("inputs", d.inputs_summary))
+        rows.append((_summary_label(d), d.inputs_summary))
     if d.variables:
         more = f" (+{len(d.variables) - 3} more)" if len(d.variables) > 3 else ""
         rows.append(("variables", ", ".join(d.variables[:3]) + more))
     rows.append(("cause", f"{d.cause}: {d.description}"))
+    if getattr(d, "remedy", None):
+        rows.append(("remedy", d.remedy))
+    if getattr(d, "verified", None):
+        rows.append(("checked", d.verified))
     rows.append(("fix", d.fix))
     rows.append(("book", d.section))
     if d.mode_disagreement:
         rows.append(("modes", d.mode_disagreement))
     return rows
+
+
+def _summary_label(d) -> str:
+    """What the summary describes: the data, the weights, the op's inputs or its outputs."""
+    if d.phase == "input":
+        return "data"
+    if d.phase == "weights":
+        return "weights"
+    summary = d.inputs_summary
+    if " outputs of " in summary or " made " in summary or summary.startswith(("every op", "no ", "the same step")):
+        return "values"
+    return "inputs"
 
 
 def text(diagnosis) -> str:

@@ -34,6 +34,9 @@ import tensorflow as tf
 from companion import _tf_internals
 from companion.diagnostics.sources import where_in_user_code
 
+# Ops that write a variable: the value they write (input 1) is checked.
+_WRITE_OPS = frozenset({"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"})
+
 # Ops whose outputs are handles, state or bookkeeping, never numbers to check.
 _IGNORED_OPS = frozenset(
     {
@@ -130,6 +133,7 @@ class OpTracer:
         self._alive: list[Any] = []  # keeps traced tensors alive, so their ids stay unique
         self._count = 0
         self.masked_selects: list[OpRecord] = []
+        self.nonfinite_writes = 0  # assignments of a non-finite value to a variable
         self.stopped = False
         self._thread = threading.get_ident()
 
@@ -139,6 +143,10 @@ class OpTracer:
         if graph is not None or self.stopped or threading.get_ident() != self._thread:
             return outputs
         op_type = op_type.decode() if isinstance(op_type, bytes) else str(op_type)
+        if op_type in _WRITE_OPS and len(inputs) > 1:
+            value = _numeric(inputs[1])
+            if value is not None and value.size and nonfinite_mask(value).any():
+                self.nonfinite_writes += 1  # a variable is assigned a NaN or an Inf
         if op_type in _IGNORED_OPS or op_type.startswith("__inference"):
             return outputs
         self._count += 1

