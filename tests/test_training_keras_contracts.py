@@ -120,7 +120,7 @@ def _fit_and_train(make_model, dataset, compile_args, make_optimizer, *, epochs=
     reference = make_model()
     keras.utils.set_random_seed(0)
     candidate = make_model()
-    reference.compile(optimizer=make_optimizer(), jit_compile=True, **compile_args)
+    reference.compile(optimizer=make_optimizer(), **compile_args)  # jit_compile="auto", as train
     fitted = reference.fit(dataset, epochs=epochs, verbose=0, shuffle=False, **fit_args)
     keras.utils.set_random_seed(0)  # the same dropout stream as fit's
     trained = train(candidate, dataset, optimizer=make_optimizer(), epochs=epochs, verbose=0, **compile_args, **fit_args)
@@ -246,7 +246,7 @@ def test_model_checkpoint_csv_logger_lr_schedule_and_plateau(tmp_path):
     dataset = tf.data.Dataset.from_tensor_slices((X, Y)).batch(BATCH)
     keras.utils.set_random_seed(0)
     reference = _sequential()
-    reference.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"], jit_compile=True)
+    reference.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
     fitted = reference.fit(dataset, epochs=3, verbose=0, shuffle=False, callbacks=callbacks(tmp_path / "fit")).history
     keras.utils.set_random_seed(0)
     model, optimizer = _sequential(), keras.optimizers.SGD(0.05)
