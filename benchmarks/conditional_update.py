@@ -12,7 +12,9 @@ two hidden layers of 1024, batch 256, Adam), compiled with XLA, in three forms:
 All three are timed in turn in every round, in one process, and each ratio is the median
 of the per-round ratios. Usage::
 
-    python benchmarks/conditional_update.py [--rounds 31] [--steps 10] [--json auto]
+    python benchmarks/conditional_update.py [--rounds 31] [--steps 10] [--quick] [--json auto]
+
+``--quick`` (4 rounds of 2 steps: seconds) only checks that the benchmark runs.
 
 The book's performance page reads the ``--json`` result ("about 10 %" for the
 conditional is that ratio).
@@ -76,8 +78,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=31)
     parser.add_argument("--steps", type=int, default=10, help="steps per timed run")
+    parser.add_argument("--quick", action="store_true", help="4 rounds of 2 steps: a smoke test (seconds)")
     parser.add_argument("--json", metavar="PATH", help='also write the result as JSON ("auto": by CPU)')
     args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.steps = 4, 2
 
     rng = np.random.default_rng(0)
     x = tf.constant(rng.normal(size=(256, 1024)).astype("float32"))
