@@ -141,10 +141,12 @@ def _estrin(w: tf.Tensor, coefficients: tuple[float, ...]) -> tf.Tensor:
 def _series(w: tf.Tensor, coefficients: tuple[float, ...]) -> tf.Tensor:
     """The series polynomial at `w`: by Estrin's scheme in float64, by Horner's rule in float32.
 
-    In float64 (17 and 19 terms) Estrin's shorter chains make tilted_mean about a tenth
-    faster under XLA and leave its accuracy as it was; in float32 (8 and 10 terms) they
-    gain nothing measurable and raise the worst error on 3e6 random points from 1.6 to 1.9
-    ulp (value) and 3.3 to 3.4 ulp (derivative), so float32 keeps Horner's rule.
+    The series is most of tilted_mean's arithmetic, evaluated for every element (both
+    branches are). In float64 (17 and 19 terms) Estrin's shorter chains make tilted_mean's
+    forward and backward pass about an eighth faster under XLA (benchmarks/tilted_mean.py,
+    AMD EPYC, oneDNN off and on) and leave its accuracy as it was; in float32 (8 and 10
+    terms) they gain nothing measurable and raise the worst error on 3e6 random points
+    from 1.6 to 1.9 ulp (value) and 3.3 to 3.4 ulp (derivative), so float32 keeps Horner's.
     """
     return _estrin(w, coefficients) if w.dtype == tf.float64 else _horner(w, coefficients)
 
@@ -173,59 +175,35 @@ def _tilted_mean_pieces(x: tf.Tensor):
     return near, c, z, x_far, e_far, one_far
 
 
-# How the value and the derivative are laid out for speed (benchmarks/tilted_mean.py).
-# Under XLA on a CPU every operation is evaluated for every element (both branches), and
-# the cost is the number of element-wise operations, divisions above all, plus the passes
-# over memory. XLA's CPU fusion does not fuse a division (or an exp) that has two users:
-# it writes it to memory and reads it back in another pass. So each quotient has one
-# user: the two branches' quotients are one division of selected operands, q = num / den,
-# and both branches are the one line s ((b q + a) - m), with b = +-1, the scale s = 1/2 or
-# 1/4 in the series region and 1 in the closed form, and a, m selected per region. That
-# is two divisions for the value and two for the derivative, as many as the naive
-# formula's forward and backward pass, and three passes over memory like it
-# (e^(-|x|/2), shared by both, is written once). Each branch rounds exactly as it would
-# written alone: b q is exact and adding 0 changes nothing. (The outer sum is a
-# subtraction because tf.function's arithmetic optimizer regroups chains of adds.)
-
-
 def _tilted_mean_value(x: tf.Tensor) -> tf.Tensor:
     near, c, z, x_far, e_far, one_far = _tilted_mean_pieces(x)
-    dtype = x.dtype
-    p, _ = _tilted_mean_coefficients(dtype.name)
-    half = tf.constant(0.5, dtype)
-    one = tf.ones_like(x)
-    zero = tf.zeros_like(x)
-    positive = x_far > 0
-    # |x| <= 4: f(x) = ((sigmoid(x/2) + z P(z^2)) + 1/2) / 2, from the halving identity
-    # with f(x/2) = 1/2 + z P(z^2) from the series and sigmoid(x/2) = q = (1 or c) / (1 + c).
-    # Summed as (sigmoid + z P) + 1/2: the order tf.function's arithmetic optimizer gives
-    # any chain of adds, so eager and graph results are the same bits.
-    # |x| > 4, t = |x|: f(-t) = 1/t - q and f(t) = 1 - f(-t) = (q - 1/t) + 1, where
-    # q = 1/expm1(t) = e^(-t) / (1 - e^(-t)).
-    q = tf.where(near, tf.where(x >= 0, one, c), e_far) / tf.where(near, 1.0 + c, 1.0 - e_far)
-    sign = tf.where(near | positive, one, -one)
-    inv_t = one_far / tf.abs(x_far)
-    addend = tf.where(near, z * _series(z * z, p), -sign * inv_t)
-    minus = tf.where(near, -half * one, tf.where(positive, -one, zero))
-    return tf.where(near, half * one, one) * ((sign * q + addend) - minus)
+    p, _ = _tilted_mean_coefficients(x.dtype.name)
+    # |x| <= 4: f(x) = (sigmoid(x/2) + f(x/2)) / 2 with f(x/2) = 1/2 + z P(z^2) from the
+    # series. Summed as (sigmoid + z P) + 1/2: the order tf.function's arithmetic optimizer
+    # gives any chain of adds, so eager and graph results are the same bits.
+    sigmoid = tf.where(x >= 0, tf.ones_like(c), c) / (1.0 + c)
+    near_value = 0.5 * ((sigmoid + z * _series(z * z, p)) + 0.5)
+    # |x| > 4: f(-t) = 1/t - 1/expm1(t) and f(t) = 1 - f(-t), with t = |x|, where
+    # 1/expm1(t) = e^(-t) / (1 - e^(-t)).
+    small = one_far / tf.abs(x_far) - e_far / (1.0 - e_far)
+    far_value = tf.where(x_far > 0, 1.0 - small, small)
+    return tf.where(near, near_value, far_value)
 
 
 def _tilted_mean_derivative(x: tf.Tensor) -> tf.Tensor:
     near, c, z, x_far, e_far, one_far = _tilted_mean_pieces(x)
-    dtype = x.dtype
-    _, qs = _tilted_mean_coefficients(dtype.name)
-    one = tf.ones_like(x)
-    # |x| <= 4: f'(x) = ((sigmoid'(x/2) + z^2 Q_1(z^2)) + q_0) / 4, with
-    # f'(x/2) = Q(z^2) = q_0 + z^2 Q_1(z^2) and sigmoid'(x/2) = q = c / (1 + c)^2.
-    # |x| > 4: f'(x) = 1/x^2 - q with q = e^(-|x|) / (1 - e^(-|x|))^2. At +-inf, x is
-    # replaced by +-max (same f' = 0) so that the second derivative is 0, not 0 * inf.
+    _, q = _tilted_mean_coefficients(x.dtype.name)
+    # |x| <= 4: f'(x) = (sigmoid'(x/2) + f'(x/2)) / 4, sigmoid'(x/2) = c / (1 + c)^2 and
+    # f'(x/2) = Q(z^2) = q_0 + z^2 Q_1(z^2), summed as (sigmoid' + z^2 Q_1) + q_0 (see above).
     w = z * z
-    q = tf.where(near, c, e_far) / tf.square(tf.where(near, 1.0 + c, 1.0 - e_far))
+    sigmoid_derivative = c / tf.square(1.0 + c)
+    near_derivative = 0.25 * ((sigmoid_derivative + w * _series(w, q[:-1])) + q[-1])
+    # |x| > 4: f'(x) = 1/x^2 - e^(-|x|) / (1 - e^(-|x|))^2. At +-inf, x is replaced by
+    # +-max (same f' = 0) so that the second derivative is 0, not 0 * inf. (Not sharing
+    # 1/expm1 with the value keeps XLA from writing it to memory between the two.)
     x_far = tf.where(tf.math.is_inf(x_far), tf.sign(x_far) * x.dtype.max, x_far)
-    addend = tf.where(near, w * _series(w, qs[:-1]), one_far / (x_far * x_far))
-    minus = tf.where(near, -qs[-1] * one, tf.zeros_like(x))
-    sign = tf.where(near, one, -one)
-    return tf.where(near, 0.25 * one, one) * ((sign * q + addend) - minus)
+    far_derivative = one_far / (x_far * x_far) - e_far / tf.square(1.0 - e_far)
+    return tf.where(near, near_derivative, far_derivative)
 
 
 @tf.custom_gradient
