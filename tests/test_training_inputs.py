@@ -181,6 +181,11 @@ def test_train_refuses_a_dataset_without_targets_before_the_first_step():
     assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, model.trainable_variables))
 
 
-def test_check_targets_is_in_inputs_public_checks():
-    assert inputs.check_targets is check_targets
-    assert "Raises:" in check_targets.__doc__
+def test_check_targets_docstring_example_runs():
+    import doctest
+
+    globs = {**vars(inputs), "keras": keras, "np": np, "tf": tf}
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
+    for test in doctest.DocTestFinder().find(check_targets, "check_targets", globs=globs):
+        runner.run(test)
+    assert runner.failures == 0 and runner.tries > 0
