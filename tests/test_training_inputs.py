@@ -1,5 +1,9 @@
 """Bad input to train is refused before the first step, naming the argument (issue 28, point 5).
 
+The errors are of the type fit raises for the same input (ValueError: train hands fit's
+arguments on and raises what fit raises, tests/test_training_keras_contracts.py), with a
+message that says what is wrong.
+
 companion.training.inputs.check_targets raises where Keras' fit would fail with a message
 that does not say what is wrong (a dataset without targets: "None values not supported.";
 one-hot targets for a sparse cross-entropy: a complaint about the predictions' rank), and
@@ -74,7 +78,7 @@ def test_dataset_of_inputs_without_targets_is_refused_naming_x(form):
         "1-tuple": (_mlp(), tf.data.Dataset.from_tensor_slices((x,)).batch(8)),
         "dict": (_dict_model(), _batched({"a": x})),
     }[form]
-    with pytest.raises(TypeError, match=r"^x is a tf\.data\.Dataset that yields inputs without targets.*'mse'"):
+    with pytest.raises(ValueError, match=r"^x is a tf\.data\.Dataset that yields inputs without targets.*'mse'"):
         check_targets(model, data, loss="mse")
 
 
@@ -82,13 +86,13 @@ def test_a_loss_the_model_was_compiled_with_counts_too():
     x, _, _, _ = _data()
     model = _mlp()
     model.compile(optimizer="sgd", loss="mae")
-    with pytest.raises(TypeError, match=r"inputs without targets.*'mae'"):
+    with pytest.raises(ValueError, match=r"inputs without targets.*'mae'"):
         check_targets(model, _batched(x))
 
 
 def test_arrays_without_y_are_refused_naming_y():
     x, _, _, _ = _data()
-    with pytest.raises(TypeError, match=r"^y is None.*pass the targets as y"):
+    with pytest.raises(ValueError, match=r"^y is None.*pass the targets as y"):
         check_targets(_mlp(), x, None, loss="mse")
 
 
@@ -176,7 +180,7 @@ def test_train_refuses_a_dataset_without_targets_before_the_first_step():
     x, _, _, _ = _data()
     model = _mlp()
     before = [v.numpy().copy() for v in model.trainable_variables]
-    with pytest.raises(TypeError, match=r"^x is a tf\.data\.Dataset that yields inputs without targets"):
+    with pytest.raises(ValueError, match=r"^x is a tf\.data\.Dataset that yields inputs without targets"):
         train(model, _batched(x), loss="mse", optimizer=keras.optimizers.SGD(0.1), verbose=0)
     assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, model.trainable_variables))
 

@@ -204,14 +204,15 @@ def check_targets(model: keras.Model, x: Any, y: Any = None, loss: Any = None) -
         loss: the loss ``train`` compiles with, or None.
 
     Raises:
-        TypeError: if the inputs have no targets while a loss needs them.
-        ValueError: if the targets' shape does not suit the loss.
+        ValueError: if the inputs have no targets while a loss needs them (the type of
+            error ``fit`` raises there, with a message that says what is missing), or the
+            targets' shape does not suit the loss.
 
     Example:
         >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
         >>> check_targets(model, tf.data.Dataset.from_tensor_slices(np.ones((8, 4))), loss="mse")
         Traceback (most recent call last):
-        TypeError: x is a tf.data.Dataset that yields inputs without targets...
+        ValueError: x is a tf.data.Dataset that yields inputs without targets...
     """
     loss = _compiled_loss(model, loss)
     if loss is None or not _uses_keras_loss_step(model):
@@ -219,7 +220,7 @@ def check_targets(model: keras.Model, x: Any, y: Any = None, loss: Any = None) -
     if isinstance(x, tf.data.Dataset):
         inputs, targets = _unpack_spec(x.element_spec)
         if targets is None:
-            raise TypeError(
+            raise ValueError(
                 f"x is a tf.data.Dataset that yields inputs without targets (its elements are "
                 f"{_describe_spec(x.element_spec)}), but loss {_loss_name(loss)} compares predictions with targets: "
                 "make it yield (inputs, targets) or (inputs, targets, sample_weights) tuples, e.g. "
@@ -232,7 +233,7 @@ def check_targets(model: keras.Model, x: Any, y: Any = None, loss: Any = None) -
         if not leaves or not all(isinstance(v, (np.ndarray, tf.Tensor)) and len(v.shape) >= 1 for v in leaves):
             return  # a generator, a PyDataset, ...: fit reads it
         if y is None:
-            raise TypeError(
+            raise ValueError(
                 f"y is None, but x ({type(x).__name__}) holds inputs only and loss {_loss_name(loss)} compares "
                 "predictions with targets: pass the targets as y (train(model, x, y, ...)), or a "
                 "tf.data.Dataset of (inputs, targets) as x"
