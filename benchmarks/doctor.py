@@ -143,7 +143,7 @@ def time_to_diagnosis(repeats: int) -> dict:
     return result
 
 
-def armed_vs_not(repeats: int) -> dict:
+def armed_vs_not(repeats: int, warmups: int = 2) -> dict:
     clean = make_data(poisoned=False)
     armed_model, armed_opt = make_model(), keras.optimizers.Adam(1e-4)
     open_model, open_opt = make_model(), keras.optimizers.Adam(1e-4)
@@ -171,8 +171,8 @@ def armed_vs_not(repeats: int) -> dict:
         "disarmed": disarmed,
     }
     for run in runs.values():
-        run()
-        run()
+        for _ in range(warmups):
+            run()
     wall, cpu = rounds(runs, repeats)
     print(f"\n2. train on clean data, doctor armed / disarmed, {repeats} rounds")
     for key in runs:
@@ -226,7 +226,7 @@ def main() -> None:
     print(f"TensorFlow {tf.__version__}, Keras {keras.__version__}, {os.cpu_count()} CPU cores; "
           f"model of {params:,} parameters, {BATCHES} batches of {BATCH}, NaN in batch {BAD_BATCH}")
     diagnosis = time_to_diagnosis(repeats_diagnosis)
-    armed = armed_vs_not(repeats_train)
+    armed = armed_vs_not(repeats_train, warmups=1 if args.quick else 2)
     fit_cost, fit_cost_before = callback_cost(repeats_fit)
     print("\nRatios, lower is better ('wall' is the verdict; 'fastest' and 'CPU' as in training_overhead.py).")
     rows = [

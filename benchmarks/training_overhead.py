@@ -86,7 +86,9 @@ def typical_callbacks(directory: str) -> list:
     ]
 
 
-def compare(name: str, data, features: int, width: int, depth: int, epochs: int, repeats: int) -> dict[str, dict]:
+def compare(
+    name: str, data, features: int, width: int, depth: int, epochs: int, repeats: int, warmups: int = 2
+) -> dict[str, dict]:
     """Times fit / train / unguarded train in rounds; returns the ratios of PAIRS."""
     loss = keras.losses.MeanSquaredError()
     fit_model = make_model(features, width, depth)
@@ -120,8 +122,8 @@ def compare(name: str, data, features: int, width: int, depth: int, epochs: int,
         ),
     }
     for run in runs.values():  # compile, and let train() settle its steps per host call
-        run()
-        run()
+        for _ in range(warmups):
+            run()
     wall: dict[str, list[float]] = {key: [] for key in runs}
     cpu: dict[str, list[float]] = {key: [] for key in runs}
     # Cycle through all orders, so that each run follows each other run equally often.
@@ -174,6 +176,7 @@ def main() -> None:
         depth=2,
         epochs=1,
         repeats=repeats_small,
+        warmups=1 if args.quick else 2,
     )
     big = compare(
         f"compute-bound MLP ({big_width} -> {big_width} -> {big_width} -> 1, batch 256)",
@@ -183,6 +186,7 @@ def main() -> None:
         depth=2,
         epochs=1,
         repeats=repeats_big,
+        warmups=1 if args.quick else 2,
     )
 
     print(
