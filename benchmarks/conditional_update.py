@@ -12,7 +12,10 @@ two hidden layers of 1024, batch 256, Adam), compiled with XLA, in three forms:
 All three are timed in turn in every round, in one process, and each ratio is the median
 of the per-round ratios. Usage::
 
-    python benchmarks/conditional_update.py [--rounds 31] [--steps 10] [--json auto]
+    python benchmarks/conditional_update.py [--rounds 31] [--steps 10] [--quick] [--json auto]
+
+``--quick`` (4 rounds of 2 steps of a 128-wide MLP: seconds) only checks that the benchmark
+runs; its ratios are not the compute-bound model's.
 
 The book's performance page reads the ``--json`` result ("about 10 %" for the
 conditional is that ratio).
@@ -76,13 +79,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=31)
     parser.add_argument("--steps", type=int, default=10, help="steps per timed run")
+    parser.add_argument("--quick", action="store_true", help="4 rounds of 2 steps, 128 wide: a smoke test (seconds)")
     parser.add_argument("--json", metavar="PATH", help='also write the result as JSON ("auto": by CPU)')
     args = parser.parse_args()
+    features = 1024
+    if args.quick:
+        args.rounds, args.steps, features = 4, 2, 128
 
     rng = np.random.default_rng(0)
-    x = tf.constant(rng.normal(size=(256, 1024)).astype("float32"))
+    x = tf.constant(rng.normal(size=(256, features)).astype("float32"))
     y = tf.constant(rng.normal(size=(256, 1)).astype("float32"))
-    steps = {kind: make_step(kind) for kind in ("unguarded", "cond", "masked")}
+    steps = {kind: make_step(kind, features, features) for kind in ("unguarded", "cond", "masked")}
     for step in steps.values():  # compile and warm up
         for _ in range(3):
             step(x, y)[0].numpy()

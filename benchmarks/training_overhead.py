@@ -21,7 +21,9 @@ another tenant does not add CPU time). Run with::
 
     python benchmarks/training_overhead.py [--quick] [--json PATH]
 
-(``--json`` also writes the ratios for the book's performance page.)
+(``--json`` also writes the ratios for the book's performance page; ``--quick``, 2 rounds
+of each on less data and a 128-wide "compute-bound" model, only checks that the benchmark
+runs: its ratios are not the full run's.)
 """
 
 from __future__ import annotations
@@ -84,7 +86,9 @@ def typical_callbacks(directory: str) -> list:
     ]
 
 
-def compare(name: str, data, features: int, width: int, depth: int, epochs: int, repeats: int) -> dict[str, dict]:
+def compare(
+    name: str, data, features: int, width: int, depth: int, epochs: int, repeats: int, warmups: int = 2
+) -> dict[str, dict]:
     """Times fit / train / unguarded train in rounds; returns the ratios of PAIRS."""
     loss = keras.losses.MeanSquaredError()
     fit_model = make_model(features, width, depth)
@@ -118,8 +122,8 @@ def compare(name: str, data, features: int, width: int, depth: int, epochs: int,
         ),
     }
     for run in runs.values():  # compile, and let train() settle its steps per host call
-        run()
-        run()
+        for _ in range(warmups):
+            run()
     wall: dict[str, list[float]] = {key: [] for key in runs}
     cpu: dict[str, list[float]] = {key: [] for key in runs}
     # Cycle through all orders, so that each run follows each other run equally often.
@@ -156,30 +160,33 @@ def compare(name: str, data, features: int, width: int, depth: int, epochs: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke test, noisier)")
+    parser.add_argument("--quick", action="store_true", help="2 rounds of each: a smoke test (seconds)")
     parser.add_argument("--json", metavar="PATH", help="also write the ratios as JSON to PATH")
     args = parser.parse_args()
     # Many short runs: this 2-core VM's speed drifts by +-20 % from second to second.
-    repeats_small, repeats_big = (6, 6) if args.quick else (42, 24)
+    repeats_small, repeats_big = (2, 2) if args.quick else (42, 24)
+    rows_small, big_width, big_batches = (1024, 128, 2) if args.quick else (8192, 1024, 8)
 
     print(f"TensorFlow {tf.__version__}, Keras {keras.__version__}, {os.cpu_count()} CPU cores, no GPU")
     small = compare(
         "small MLP (32 -> 64 -> 64 -> 1, batch 64)",
-        make_data(8192, 32, 64),
+        make_data(rows_small, 32, 64),
         features=32,
         width=64,
         depth=2,
         epochs=1,
         repeats=repeats_small,
+        warmups=1 if args.quick else 2,
     )
     big = compare(
-        "compute-bound MLP (1024 -> 1024 -> 1024 -> 1, batch 256)",
-        make_data(256 * 8, 1024, 256),
-        features=1024,
-        width=1024,
+        f"compute-bound MLP ({big_width} -> {big_width} -> {big_width} -> 1, batch 256)",
+        make_data(256 * big_batches, big_width, 256),
+        features=big_width,
+        width=big_width,
         depth=2,
         epochs=1,
         repeats=repeats_big,
+        warmups=1 if args.quick else 2,
     )
 
     print(

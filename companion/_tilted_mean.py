@@ -100,6 +100,58 @@ def _horner(w: tf.Tensor, coefficients: tuple[float, ...]) -> tf.Tensor:
     return result
 
 
+def _estrin(w: tf.Tensor, coefficients: tuple[float, ...]) -> tf.Tensor:
+    """The polynomial with `coefficients` (highest power first) at `w`, by Estrin's scheme.
+
+    The same terms as `_horner`, summed as a tree: P = P_low + w^k P_high with k the
+    largest power of two below the number of terms, each half the same way, down to pairs
+    a + b w. Horner's rule is one chain of 2(n-1) dependent operations; Estrin's is about
+    2 log2(n) deep, so the CPU overlaps the work of neighbouring elements instead of waiting
+    on each product (the series is most of tilted_mean's arithmetic: in float64 17 and 19
+    terms). Either rounds about 2n operations once each; on this series, whose terms fall by
+    a factor of about 10 each, the error is that of the first terms either way.
+
+    Each join is written P_low - w^k (-P_high), with -P_high summed from the negated
+    coefficients (bit for bit the negation, rounding being symmetric): a chain of adds
+    would be regrouped by tf.function's arithmetic optimizer (into AddN, in its own
+    order), and the results in a graph would differ from eager ones in the last bit.
+    """
+    lowest_first = tuple(reversed(coefficients))
+    powers = {1: w}
+
+    def power(k: int) -> tf.Tensor:
+        if k not in powers:
+            half_power = power(k // 2)
+            powers[k] = half_power * half_power
+        return powers[k]
+
+    def tree(terms: tuple[float, ...]):
+        if len(terms) == 1:
+            return tf.constant(terms[0], w.dtype)
+        if len(terms) == 2:
+            return terms[0] + terms[1] * w
+        k = 1 << ((len(terms) - 1).bit_length() - 1)  # largest power of two < len(terms)
+        return tree(terms[:k]) - power(k) * tree(tuple(-t for t in terms[k:]))
+
+    if len(lowest_first) == 1:
+        return tf.fill(tf.shape(w), tf.constant(lowest_first[0], w.dtype))
+    return tree(lowest_first)
+
+
+def _series(w: tf.Tensor, coefficients: tuple[float, ...]) -> tf.Tensor:
+    """The series polynomial at `w`: by Estrin's scheme in float64, by Horner's rule in float32.
+
+    The series is most of tilted_mean's arithmetic, evaluated for every element (both
+    branches are). In float64 (17 and 19 terms) Estrin's shorter chains make tilted_mean's
+    forward and backward pass about a tenth faster under XLA (0.88 and 0.90 times the time
+    with Horner's rule, medians of 81 side-by-side rounds on an AMD EPYC with AVX-512,
+    oneDNN off and on) and leave its accuracy as it was; in float32 (8 and 10
+    terms) they gain nothing measurable and raise the worst error on 3e6 random points
+    from 1.6 to 1.9 ulp (value) and 3.3 to 3.4 ulp (derivative), so float32 keeps Horner's.
+    """
+    return _estrin(w, coefficients) if w.dtype == tf.float64 else _horner(w, coefficients)
+
+
 def _tilted_mean_pieces(x: tf.Tensor):
     """What the value and the derivative share: branch mask, series argument, exponentials.
 
@@ -131,7 +183,7 @@ def _tilted_mean_value(x: tf.Tensor) -> tf.Tensor:
     # series. Summed as (sigmoid + z P) + 1/2: the order tf.function's arithmetic optimizer
     # gives any chain of adds, so eager and graph results are the same bits.
     sigmoid = tf.where(x >= 0, tf.ones_like(c), c) / (1.0 + c)
-    near_value = 0.5 * ((sigmoid + z * _horner(z * z, p)) + 0.5)
+    near_value = 0.5 * ((sigmoid + z * _series(z * z, p)) + 0.5)
     # |x| > 4: f(-t) = 1/t - 1/expm1(t) and f(t) = 1 - f(-t), with t = |x|, where
     # 1/expm1(t) = e^(-t) / (1 - e^(-t)).
     small = one_far / tf.abs(x_far) - e_far / (1.0 - e_far)
@@ -146,7 +198,7 @@ def _tilted_mean_derivative(x: tf.Tensor) -> tf.Tensor:
     # f'(x/2) = Q(z^2) = q_0 + z^2 Q_1(z^2), summed as (sigmoid' + z^2 Q_1) + q_0 (see above).
     w = z * z
     sigmoid_derivative = c / tf.square(1.0 + c)
-    near_derivative = 0.25 * ((sigmoid_derivative + w * _horner(w, q[:-1])) + q[-1])
+    near_derivative = 0.25 * ((sigmoid_derivative + w * _series(w, q[:-1])) + q[-1])
     # |x| > 4: f'(x) = 1/x^2 - e^(-|x|) / (1 - e^(-|x|))^2. At +-inf, x is replaced by
     # +-max (same f' = 0) so that the second derivative is 0, not 0 * inf. (Not sharing
     # 1/expm1 with the value keeps XLA from writing it to memory between the two.)

@@ -45,6 +45,9 @@ class BenchmarkResult:
         source: the file's name.
         onednn: whether TensorFlow's oneDNN kernels were on (``True``/``False``), or
             ``None`` where the file does not record it.
+        vector: the CPU's widest vector extension where the file records its flags
+            (``"AVX-512"``, ``"AVX2"``, ``"AVX"``), else ``None``: one model name (``"AMD
+            EPYC"``) covers CPUs with and without AVX-512, whose kernels and ratios differ.
     """
 
     benchmark: str
@@ -53,10 +56,13 @@ class BenchmarkResult:
     document: Mapping[str, Any]
     source: str
     onednn: bool | None = None
+    vector: str | None = None
 
     @property
     def setting(self) -> str:
-        """The CPU and the oneDNN setting, e.g. ``"AMD EPYC, oneDNN off"``: how results differ.
+        """The CPU (with its widest vector extension, where recorded) and the oneDNN setting.
+
+        E.g. ``"AMD EPYC, oneDNN off"``, or ``"AMD EPYC AVX-512, oneDNN on"``: how results differ.
 
         Example:
             >>> BenchmarkResult.from_document({
@@ -65,7 +71,8 @@ class BenchmarkResult:
             'AMD EPYC, oneDNN off'
         """
         onednn = {True: "oneDNN on", False: "oneDNN off", None: "oneDNN not recorded"}[self.onednn]
-        return f"{self.cpu}, {onednn}"
+        cpu = f"{self.cpu} {self.vector}" if self.vector else self.cpu
+        return f"{cpu}, {onednn}"
 
     @classmethod
     def from_document(cls, document: Mapping[str, Any], source: str = "<document>") -> BenchmarkResult:
@@ -121,6 +128,7 @@ class BenchmarkResult:
             document=dict(document),
             source=source,
             onednn=_onednn(document),
+            vector=_vector(document),
         )
 
 
@@ -133,6 +141,19 @@ def _cpu_name(document: Mapping[str, Any]) -> str:
         if isinstance(value, str) and value.strip():
             return value.strip()
     return str(document.get("machine", "unknown machine"))
+
+
+#: CPU flags (as /proc/cpuinfo spells them), widest first, and how a setting names them.
+_VECTOR_NAMES = (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX"))
+
+
+def _vector(document: Mapping[str, Any]) -> str | None:
+    """The widest vector extension in the recorded ``cpu.flags``, or None."""
+    cpu = document.get("cpu")
+    flags = cpu.get("flags") if isinstance(cpu, Mapping) else None
+    if not isinstance(flags, (list, tuple)):
+        return None
+    return next((name for flag, name in _VECTOR_NAMES if flag in flags), None)
 
 
 def _onednn(document: Mapping[str, Any]) -> bool | None:

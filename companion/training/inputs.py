@@ -1,17 +1,20 @@
 """Input checks of :func:`companion.training.train`'s own arguments (``fit``'s and
-``compile``'s are checked by ``fit`` and ``compile``), raised before any step runs with a
-message that says what was given and what is expected; a list of batches as a
-dataset; and an epoch's batches read again for the NaN doctor.
+``compile``'s are checked by ``fit`` and ``compile``, except where their messages do not
+say what is wrong: :func:`check_targets`), raised before any step runs with a message
+that says what was given and what is expected; a list of batches as a dataset; and an
+epoch's batches read again for the NaN doctor.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Any, Iterable
 
 import keras
 import numpy as np
 import tensorflow as tf
+
+from companion.losses import check_keras_loss_shapes, resolve_loss
 
 #: What ``on_nonfinite`` may be: skip the step, raise at once, or apply every step
 #: unchecked, as ``fit`` does (no guard; for measuring what the guard costs).
@@ -80,6 +83,176 @@ def as_dataset(dataset, name: str = "dataset") -> tf.data.Dataset:
             raise TypeError(f"element {index} of {name} has a different dtype from element 0")
     result = tf.data.Dataset.from_generator(lambda: iter(batches), output_signature=spec)
     return result.apply(tf.data.experimental.assert_cardinality(len(batches)))
+
+
+def _unpack_spec(spec):
+    """(inputs, targets) of a dataset's element spec, as Keras' ``fit`` unpacks an element."""
+    if isinstance(spec, list):
+        spec = tuple(spec)
+    if not isinstance(spec, tuple):
+        return spec, None
+    if len(spec) == 1:
+        return spec[0], None
+    return spec[0], spec[1]
+
+
+def _compiled_loss(model, loss):
+    """The loss ``train`` will train with: ``loss`` if given, else the one the model was compiled with."""
+    if loss is not None:
+        return loss
+    if getattr(model, "compiled", False):
+        return getattr(model, "loss", None)
+    return None
+
+
+def _uses_keras_loss_step(model) -> bool:
+    """Whether ``fit`` computes the compiled loss from (y, predictions): Keras' own step and loss."""
+    cls = type(model)
+    return cls.train_step is keras.Model.train_step and cls.compute_loss is keras.Model.compute_loss
+
+
+def _loss_name(loss) -> str:
+    if isinstance(loss, str):
+        return repr(loss)
+    return repr(getattr(loss, "name", None) or getattr(loss, "__name__", None) or type(loss).__name__)
+
+
+_SPARSE = ("sparse_categorical_crossentropy",)
+_CATEGORICAL = ("categorical_crossentropy", "categorical_focal_crossentropy")
+
+
+def _loss_kind(loss) -> str | None:
+    """'sparse' or 'categorical' for Keras' cross-entropies over classes, else None."""
+    try:
+        resolved = resolve_loss(loss) if isinstance(loss, str) else loss
+    except (TypeError, ValueError):
+        return None
+    if isinstance(resolved, keras.losses.Loss):
+        fn = getattr(resolved, "fn", None)
+        name = getattr(fn, "__name__", "") or ""
+    else:
+        name = getattr(resolved, "__name__", "") or ""
+    module = getattr(resolved, "__module__", "") or ""
+    if not (module.startswith("keras") or isinstance(resolved, keras.losses.Loss)):
+        return None
+    if name in _SPARSE:
+        return "sparse"
+    if name in _CATEGORICAL:
+        return "categorical"
+    return None
+
+
+def _prediction_spec(model, inputs):
+    """The model's output spec for inputs of these specs (None if it cannot tell without running)."""
+    if not model.built:
+        return None
+    try:
+        symbolic = tf.nest.map_structure(lambda s: keras.KerasTensor(s.shape, dtype=s.dtype.name), inputs)
+        predictions = model.compute_output_spec(symbolic)
+    except Exception:  # noqa: BLE001 - a model that cannot say: nothing to check
+        return None
+    return predictions if isinstance(predictions, keras.KerasTensor) else None
+
+
+def _check_label_rank(loss, targets, predictions, where: str) -> None:
+    """Cross-entropies over classes: one-hot targets for the sparse loss, labels for the other."""
+    kind = _loss_kind(loss)
+    true_shape, pred_shape = tf.TensorShape(targets.shape), tf.TensorShape(predictions.shape)
+    if kind is None or true_shape.rank is None or pred_shape.rank is None or pred_shape.rank < 1:
+        return
+    classes = pred_shape[-1]
+    if kind == "sparse" and true_shape.rank == pred_shape.rank and true_shape[-1] not in (1, None):
+        raise ValueError(
+            f"{where} have shape {tuple(true_shape)}, but loss {_loss_name(loss)} expects integer class labels "
+            f"of shape {tuple(pred_shape[:-1])} for predictions of shape {tuple(pred_shape)} (one rank less): "
+            "these look like one-hot targets, which go with loss 'categorical_crossentropy' "
+            "(or pass the labels, y.argmax(axis=-1))"
+        )
+    if kind == "categorical" and true_shape.rank == pred_shape.rank - 1 and classes not in (1, None):
+        raise ValueError(
+            f"{where} have shape {tuple(true_shape)}, but loss {_loss_name(loss)} expects one-hot targets of the "
+            f"predictions' shape {tuple(pred_shape)}: these look like integer class labels, which go with loss "
+            f"'sparse_categorical_crossentropy' (or pass keras.utils.to_categorical(y, {classes}))"
+        )
+
+
+def check_targets(model: keras.Model, x: Any, y: Any = None, loss: Any = None) -> None:
+    """Raise before the first step where ``fit`` would fail without saying what is wrong.
+
+    Checks, for a model trained by Keras' own ``train_step`` and ``compute_loss`` with a
+    compiled loss (``loss``, or the model's own if ``loss`` is None):
+
+    - that there are targets: a ``tf.data.Dataset`` ``x`` that yields inputs alone (a
+      single tensor, a dict, a 1-tuple), or arrays ``x`` with ``y=None``, would reach
+      Keras' loss with ``y_true=None`` (``fit`` says ``None values not supported.``);
+    - that the targets' rank suits the loss, where the model's output shape is known
+      without running it: one-hot targets for ``sparse_categorical_crossentropy``, integer
+      labels for ``categorical_crossentropy`` (Keras blames the predictions' rank), and
+      targets that an elementwise Keras loss would silently broadcast against the
+      predictions (see :func:`companion.losses.check_keras_loss_shapes`).
+
+    A model whose ``train_step`` or ``compute_loss`` is its own, or that has no compiled
+    loss (e.g. only ``add_loss``), may take inputs without targets: nothing is checked.
+    Inputs that cannot be inspected without consuming them (a generator, a
+    ``keras.utils.PyDataset``) are left to ``fit``.
+
+    Args:
+        model: the Keras model to train.
+        x: ``train``'s ``x``: a dataset, arrays or tensors (nested in tuples, lists or
+            dicts), or anything else ``fit`` accepts.
+        y: ``train``'s ``y``.
+        loss: the loss ``train`` compiles with, or None.
+
+    Raises:
+        ValueError: if the inputs have no targets while a loss needs them (the type of
+            error ``fit`` raises there, with a message that says what is missing), or the
+            targets' shape does not suit the loss.
+
+    Example:
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        >>> check_targets(model, tf.data.Dataset.from_tensor_slices(np.ones((8, 4))), loss="mse")
+        Traceback (most recent call last):
+        ValueError: x is a tf.data.Dataset that yields inputs without targets...
+    """
+    loss = _compiled_loss(model, loss)
+    if loss is None or not _uses_keras_loss_step(model):
+        return
+    if isinstance(x, tf.data.Dataset):
+        inputs, targets = _unpack_spec(x.element_spec)
+        if targets is None:
+            raise ValueError(
+                f"x is a tf.data.Dataset that yields inputs without targets (its elements are "
+                f"{_describe_spec(x.element_spec)}), but loss {_loss_name(loss)} compares predictions with targets: "
+                "make it yield (inputs, targets) or (inputs, targets, sample_weights) tuples, e.g. "
+                "tf.data.Dataset.from_tensor_slices((x, y)).batch(32); a model whose train_step or compute_loss "
+                "needs no targets may be trained on inputs alone"
+            )
+        where = "the targets of x (a tf.data.Dataset)"
+    else:
+        leaves = tf.nest.flatten(x) if x is not None else []
+        if not leaves or not all(isinstance(v, (np.ndarray, tf.Tensor)) and len(v.shape) >= 1 for v in leaves):
+            return  # a generator, a PyDataset, ...: fit reads it
+        if y is None:
+            raise ValueError(
+                f"y is None, but x ({type(x).__name__}) holds inputs only and loss {_loss_name(loss)} compares "
+                "predictions with targets: pass the targets as y (train(model, x, y, ...)), or a "
+                "tf.data.Dataset of (inputs, targets) as x"
+            )
+        if isinstance(y, (dict, list, tuple)) or not isinstance(y, (np.ndarray, tf.Tensor)) or len(y.shape) < 1:
+            return
+        inputs = tf.nest.map_structure(lambda v: tf.TensorSpec((None, *v.shape[1:]), tf.as_dtype(v.dtype)), x)
+        targets = tf.TensorSpec((None, *y.shape[1:]), tf.as_dtype(y.dtype))
+        where = "the targets y"
+    if isinstance(loss, (dict, list, tuple)) or not isinstance(targets, tf.TensorSpec):
+        return  # several outputs: Keras matches losses to outputs
+    predictions = _prediction_spec(model, inputs)
+    if predictions is None:
+        return
+    _check_label_rank(loss, targets, predictions, where)
+    try:
+        check_keras_loss_shapes(loss, targets, predictions)
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
 
 
 def check_callbacks(callbacks) -> list:

@@ -23,7 +23,7 @@ from companion.training.cluster import PEER_FAILURES, Cluster, arm_exit_after_wo
 from companion.training.guard import (
     DoctorView, GuardCallback, GuardedStep, asks_for_batch_hooks, model_cache, model_optimizers,
 )
-from companion.training.inputs import ON_NONFINITE, as_dataset, check_callbacks, replay_batches
+from companion.training.inputs import ON_NONFINITE, as_dataset, check_callbacks, check_targets, replay_batches
 from companion.training.results import TrainingHistory, WorkerLostError
 
 #: The most steps one host call runs when ``train`` chooses ``steps_per_execution``.
@@ -209,6 +209,7 @@ def train(
     callbacks = check_callbacks(callbacks)
     if y is None and isinstance(x, list) and x and all(isinstance(e, tuple) for e in x):
         x = as_dataset(x, "dataset")  # a list of (inputs, targets[, sample_weights]) batches
+    check_targets(model, x, y, loss)
     strategy = strategy or model.distribute_strategy
     if strategy.num_replicas_in_sync > 1:
         _check_scope(model, strategy)
