@@ -372,3 +372,35 @@ def test_exercise_labels_and_parentheses_are_written_as_chinese_text_writes_them
         found += [f"{_name(page)}: {m!r}" for m in re.findall(r".{0,12}[）)][（(].{0,12}", prose)]
     assert not found, "an exercise label with an ASCII period, or two pairs of parentheses in a row:\n" + "\n".join(
         found)
+
+
+_LINK_TARGET = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def test_translations_keep_the_link_targets_of_the_english_anchors_included():
+    """A markdown link of a translation goes where the English one goes, to the same section: the causes table of
+    the API page once lost its 13 anchors (checklist.ipynb instead of checklist.ipynb#common-sources-...)."""
+    changed = []
+    for name, unit, zh in _stored_units():
+        en_targets, zh_targets = sorted(_LINK_TARGET.findall(unit.text)), sorted(_LINK_TARGET.findall(zh))
+        if en_targets != zh_targets:
+            missing = sorted(set(en_targets) - set(zh_targets))
+            extra = sorted(set(zh_targets) - set(en_targets))
+            changed.append(f"{name}: {unit.key}: missing {missing[:3]}, added {extra[:3]}")
+    assert not changed, "links whose target differs from the English:\n" + "\n".join(changed)
+
+
+def test_the_fixed_headings_are_written_as_d2l_zh_writes_them():
+    """小结 for What to remember, 练习 for Exercises, 结语 for the closing part, 参考资料 for the references."""
+    site = translate_book.translations(None)[0]
+    expected = {"What to remember": "小结", "Exercises": "练习"}
+    wrong = []
+    for name, unit, zh in _stored_units():
+        en_headings = re.findall(r"^#{1,6} (.*)$", unit.text, re.M)
+        zh_headings = re.findall(r"^#{1,6} (.*)$", zh, re.M)
+        for en, heading in zip(en_headings, zh_headings):
+            if en.strip() in expected and heading.strip() != expected[en.strip()]:
+                wrong.append(f"{name}: {unit.key}: {heading!r} for {en!r}")
+    captions = {unit.text: site[unit.key] for unit in translate_book.site_units() if unit.key.startswith("caption")}
+    assert captions["Closing"] == "结语" and captions["Reference"] == "参考资料", captions
+    assert not wrong, "\n".join(wrong)
