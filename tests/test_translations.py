@@ -404,3 +404,26 @@ def test_the_fixed_headings_are_written_as_d2l_zh_writes_them():
     captions = {unit.text: site[unit.key] for unit in translate_book.site_units() if unit.key.startswith("caption")}
     assert captions["Closing"] == "结语" and captions["Reference"] == "参考资料", captions
     assert not wrong, "\n".join(wrong)
+
+
+SEEDS = book_tools.ROOT / "tests" / "data" / "seeds"
+
+
+def test_the_chinese_edition_quotes_the_askers_and_the_answers_in_their_own_words():
+    """Both questions and both answers were written in Chinese (tests/data/seeds/, as received): where the English
+    translates a quotation of them (marked "(translated)", and every quotation of the audit page), the Chinese
+    quotes the original verbatim instead of translating the English back."""
+    seeds = re.sub(r"\s+", "", "".join(p.read_text(encoding="utf-8") for p in sorted(SEEDS.glob("*.txt"))))
+    assert len(seeds) > 3000, "the two seeds are missing"
+    quoting = [translate_book.ROOT / "book" / "closing" / "answers_audited.md"]
+    not_verbatim, checked = [], 0
+    for name, unit, zh in _stored_units():
+        if "(translated)" not in unit.text and not any(name == _name(p) for p in quoting):
+            continue
+        for quote in re.findall(r"“([^”]+)”", zh):
+            if len(CJK.findall(quote)) >= 4:
+                checked += 1
+                if re.sub(r"\s+", "", quote) not in seeds:
+                    not_verbatim.append(f"{name}: {unit.key}: “{quote[:60]}”")
+    assert checked >= 10, f"only {checked} quotations of the seeds found"
+    assert not not_verbatim, "quotations that are not the seeds' own words:\n" + "\n".join(not_verbatim)
