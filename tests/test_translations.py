@@ -116,13 +116,47 @@ def _stored_units():
                 yield name, unit, found[unit.key]
 
 
+#: Chinese characters a translation has at least, per English word of the unit's prose (words of 3 letters or
+#: more, outside code and math). Chinese takes about 1.5 to 2.5 characters for an English word; the lowest unit
+#: of the book has 1.29 (the footer, mostly a licence's name); an English paragraph with a Chinese word in it
+#: has nearly 0.
+CJK_PER_ENGLISH_WORD = 0.8
+
+
 def test_translations_are_chinese_wherever_the_english_has_prose():
     untranslated = []
     for name, unit, zh in _stored_units():
         words = re.findall(r"[A-Za-z]{3,}", _prose(unit.text))
-        if len(words) >= 3 and not CJK.search(_prose(zh)):
-            untranslated.append(f"{name}: {unit.key}: {unit.text.splitlines()[0][:60]!r}")
-    assert not untranslated, "English left untranslated:\n" + "\n".join(untranslated)
+        chinese = len(CJK.findall(_prose(zh)))
+        if len(words) >= 3 and chinese < CJK_PER_ENGLISH_WORD * len(words):
+            untranslated.append(f"{name}: {unit.key}: {chinese} Chinese characters for {len(words)} English words: "
+                                f"{unit.text.splitlines()[0][:50]!r}")
+    assert not untranslated, "English left untranslated, or translated only in part:\n" + "\n".join(untranslated)
+
+
+_NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?![\w.])")
+
+
+def _inline_code(text: str) -> set[str]:
+    text = re.sub(r"^(```|:::).*?^\1[^\n]*$", " ", text, flags=re.S | re.M)
+    text = re.sub(r"\{[\w:-]+\}`[^`]*`", " ", text)  # roles: their targets are checked with the references
+    return {" ".join(code.split()) for code in re.findall(r"`([^`]+)`", text)}
+
+
+def test_translations_keep_the_numbers_and_identifiers_of_the_english():
+    """Every number of a unit's prose (a measured ratio, a step, a count) and every identifier in inline code is in
+    its translation too: a translation that dropped or changed one says something else than the English."""
+    changed = []
+    for name, unit, zh in _stored_units():
+        missing = sorted(set(_NUMBER.findall(_prose(unit.text))) - set(_NUMBER.findall(_prose(zh))))
+        spaced, bare = " ".join(zh.split()), "".join(zh.split())
+        missing += sorted(c for c in _inline_code(unit.text) if c not in spaced and "".join(c.split()) not in bare)
+        if missing:
+            changed.append(f"{name}: {unit.key}: {missing[:5]}")
+    assert not changed, "numbers or identifiers of the English missing from the translation:\n" + "\n".join(changed)
+
+
+_TEXT_PHRASE = re.compile(r"\\text\{[^{}]*(?:\s|[\u4e00-\u9fff])[^{}]*\}")
 
 
 def _kept(text: str) -> dict[str, list[str]]:
@@ -130,7 +164,8 @@ def _kept(text: str) -> dict[str, list[str]]:
     display = re.findall(r"\$\$.*?\$\$", text, flags=re.S)
     inline = re.findall(r"\$[^$]+?\$", re.sub(r"\$\$.*?\$\$", "", text, flags=re.S))
     return {
-        "display math": sorted(" ".join(m.split()) for m in display),
+        # a phrase in \text{} (words with a space between them, or Chinese) is prose, and is translated
+        "display math": sorted(" ".join(_TEXT_PHRASE.sub(" ", m).split()) for m in display),
         # a translation may mention a symbol once more, or once less
         "inline math": sorted({" ".join(m.split()) for m in inline if "\n\n" not in m}),
         "references": sorted(re.findall(r"\{(?:doc|ref|cite|py:\w+|numref|eq)\}`[^`]*`", text)),
