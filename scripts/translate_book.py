@@ -22,6 +22,9 @@ has the same path in both editions (the built site puts the Chinese one under ``
   their outputs, execution counts and every metadata field are the English notebook's, byte for byte (the file is
   written exactly as nbformat writes the English one);
 - a markdown page is the translations of its blocks, joined as the English blocks are;
+- in both, each glossary term (``book/glossary.zh.md``) gets its English once per page, at its first use in
+  running text, and a line break between two Chinese characters is removed (a browser shows it as a space;
+  the stores keep the translations wrapped as they were written);
 - ``zh/_config.yml`` is ``_config.yml`` with the Chinese title, ``language: zh_CN``, the site's URLs under
   ``zh/`` and the paths made relative to ``zh/``; ``zh/_toc.yml`` is ``_toc.yml`` with Chinese captions and
   the glossary page (``book/glossary.zh.md``, written in Chinese only) added;
