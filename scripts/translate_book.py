@@ -307,7 +307,7 @@ def _without_glosses(text: str, terms: list[tuple[str, str]]) -> str:
     """``text`` without the English that a translation wrote after a glossary term by hand ("上溢（overflow）",
     "上溢（overflow，...）"): the page gets it once, at the term's first use (``annotate_first_uses``)."""
     for zh, en in terms:
-        gloss = re.escape(en)
+        gloss = r"\s+".join(re.escape(word) for word in en.split())
         text = re.sub(f"({re.escape(zh)})\\s*[（(]{gloss}s?[）)]", r"\1", text, flags=re.I)
         text = re.sub(f"({re.escape(zh)})\\s*（{gloss}s?[，,]\\s*", r"\1（", text, flags=re.I)
     return text
