@@ -548,7 +548,7 @@ def chinese_tree(draft: bool = False) -> dict[pathlib.Path, bytes]:
         raise Untranslated(problems)
     files[ZH / "_config.yml"] = chinese_config_text(site).encode("utf-8")
     files[ZH / "_toc.yml"] = chinese_toc_text(site).encode("utf-8")
-    files[ZH / (GLOSSARY_DOC + ".md")] = GLOSSARY_SOURCE.read_bytes()
+    files[ZH / (GLOSSARY_DOC + ".md")] = join_cjk_lines(GLOSSARY_SOURCE.read_text(encoding="utf-8")).encode("utf-8")
     for name in COPIED:
         files[ZH / name] = (ROOT / name).read_bytes()
     return files

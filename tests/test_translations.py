@@ -389,8 +389,9 @@ def test_the_chinese_pages_have_no_line_break_between_two_chinese_characters():
     (translate_book.join_cjk_lines joins them when it writes the pages)."""
     cjk = r"[\u3000-\u303f\u3400-\u4dbf\u4e00-\u9fff\uff00-\uffef]"
     found = []
-    for page in PAGES:
-        for text in _chinese_page_units(page):
+    glossary = translate_book.ZH / (translate_book.GLOSSARY_DOC + ".md")
+    for page, texts in [*((p, _chinese_page_units(p)) for p in PAGES), (glossary, [glossary.read_text("utf-8")])]:
+        for text in texts:
             blocks = [m.span() for m in re.finditer(r"^(```|:::)[^\n]*\n(?:.*\n)*?\1|\$\$(?:[^$]|\$(?!\$))*\$\$",
                                                      text, re.M)]
             for match in re.finditer(f"{cjk}[ \\t]*\n[ \\t]*{cjk}", text):
