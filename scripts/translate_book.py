@@ -355,6 +355,20 @@ _CJK_CHAR = r"[\u3000-\u303f\u3400-\u4dbf\u4e00-\u9fff\uff00-\uffef“”‘’�
 _CJK_BREAK = re.compile(f"(?<={_CJK_CHAR})[ \\t]*\\n[ \\t]*(?={_CJK_CHAR})")
 
 
+_SECTION_LINK = re.compile(r"\[(?P<label>[^\]`*_\[]+)\]\((?P<page>(?![a-z]+:)[^)\s#]+)\.(?:ipynb|md)#(?P<anchor>[\w-]+)\)")
+
+
+def html_section_links(text: str) -> str:
+    """``text`` with each markdown link to a section of another page (``[label](../x/y.ipynb#section)``, the
+    English heading's id) written as an HTML link to that page's HTML (``<a href="../x/y.html#section">``).
+
+    The Chinese pages have the English sections' ids as anchors before their headings
+    (``with_english_anchors``), so the link lands where the English one does; but MyST checks a markdown
+    link's ``#section`` against the slugs of the target page's headings, which are Chinese there, and would
+    warn (the build runs with ``-W``). An HTML link is not checked, and goes to the same place."""
+    return _SECTION_LINK.sub(lambda m: f'<a href="{m["page"]}.html#{m["anchor"]}">{m["label"]}</a>', text)
+
+
 def join_cjk_lines(text: str) -> str:
     """``text`` with every line break between two Chinese characters (or full-width punctuation) removed, outside
     fenced code and display math: a browser renders such a break as a space, which Chinese text does not have.
@@ -433,7 +447,7 @@ def chinese_notebook_text(page: pathlib.Path, found: dict[str, str]) -> str:
                 mystnb[key] = _translated_prompt(mystnb[key])
     markdown = [cell for cell in zh["cells"] if cell["cell_type"] == "markdown"]
     for cell, text in zip(markdown, annotate_first_uses([found[cell["id"]] for cell in markdown])):
-        text = join_cjk_lines(with_english_anchors("".join(cell["source"]), text))
+        text = html_section_links(join_cjk_lines(with_english_anchors("".join(cell["source"]), text)))
         cell["source"] = text.splitlines(keepends=True)
     return nbformat.writes(nbformat.from_dict(zh)) + "\n"
 
@@ -442,7 +456,8 @@ def chinese_page_text(page: pathlib.Path, found: dict[str, str]) -> str:
     pieces = md_blocks(page.read_text(encoding="utf-8"))
     keys = [i for i, (block, _) in enumerate(pieces) if block.strip() and f"b{i}" in found]
     annotated = dict(zip(keys, annotate_first_uses([found[f"b{i}"] for i in keys])))
-    annotated = {i: join_cjk_lines(with_english_anchors(pieces[i][0], text)) for i, text in annotated.items()}
+    annotated = {i: html_section_links(join_cjk_lines(with_english_anchors(pieces[i][0], text)))
+                 for i, text in annotated.items()}
     return join_md_blocks([(annotated.get(i, block), separator) for i, (block, separator) in enumerate(pieces)])
 
 

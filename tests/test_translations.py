@@ -322,11 +322,11 @@ def _chinese_page_prose(page: pathlib.Path) -> str:
 
 #: What is not running text, written here independently of translate_book's own pattern (a test that shared the
 #: script's pattern would share its bugs): fenced blocks and display math across lines; inline math, code and
-#: roles, links and HTML tags; and heading, directive and option lines, each only to the end of its line.
+#: roles, links (markdown, or HTML with their text) and HTML tags; and heading, directive and option lines, each only to the end of its line.
 _NOT_RUNNING_TEXT = re.compile(
     r"^(```|:::)[^\n]*\n(?:.*\n)*?\1[^\n]*$"
     r"|\$\$(?:[^$]|\$(?!\$))*\$\$|\$[^$]+\$"
-    r"|`[^`]*`|\[[^\]]*\]\([^)]*\)|<[^>]+>"
+    r"|`[^`]*`|\[[^\]]*\]\([^)]*\)|<a\s[^>]*>[^<]*</a>|<[^>]+>"
     r"|^#{1,6} [^\n]*$|^:{3,}[^\n]*$|^`{3,}[^\n]*$|^:[\w-]+:[^\n]*$",
     re.M,
 )
@@ -463,3 +463,20 @@ def test_the_chinese_edition_quotes_the_askers_and_the_answers_in_their_own_word
                     not_verbatim.append(f"{name}: {unit.key}: “{quote[:60]}”")
     assert checked >= 10, f"only {checked} quotations of the seeds found"
     assert not not_verbatim, "quotations that are not the seeds' own words:\n" + "\n".join(not_verbatim)
+
+
+def test_the_chinese_section_links_land_on_an_anchor_of_the_chinese_page():
+    """A link to a section of another page is written into the Chinese tree as an HTML link to the English
+    section's id (MyST would look for a Chinese heading's slug and warn), and that id is an anchor of the
+    Chinese page (translate_book.with_english_anchors puts it before the heading)."""
+    links, missing = 0, []
+    for page in PAGES:
+        for text in _chinese_page_units(page):
+            for target, anchor in re.findall(r'<a href="([^"#:]+)\.html#([\w-]+)">', text):
+                links += 1
+                base = (translate_book.zh_path(page).parent / target).resolve()
+                twin = next((base.with_suffix(s) for s in (".ipynb", ".md") if base.with_suffix(s).is_file()), None)
+                if twin is None or not re.search(rf'id=\\?"{re.escape(anchor)}\\?"', twin.read_text("utf-8")):
+                    missing.append(f"{_name(page)}: {target}#{anchor}")
+    assert links >= 13, f"only {links} section links in the Chinese pages (the API page's causes table has 13)"
+    assert not missing, "section links without their anchor:\n" + "\n".join(missing)
