@@ -22,6 +22,9 @@ has the same path in both editions (the built site puts the Chinese one under ``
   their outputs, execution counts and every metadata field are the English notebook's, byte for byte (the file is
   written exactly as nbformat writes the English one);
 - a markdown page is the translations of its blocks, joined as the English blocks are;
+- in both, each glossary term (``book/glossary.zh.md``) gets its English once per page, at its first use in
+  running text, and a line break between two Chinese characters is removed (a browser shows it as a space;
+  the stores keep the translations wrapped as they were written);
 - ``zh/_config.yml`` is ``_config.yml`` with the Chinese title, ``language: zh_CN``, the site's URLs under
   ``zh/`` and the paths made relative to ``zh/``; ``zh/_toc.yml`` is ``_toc.yml`` with Chinese captions and
   the glossary page (``book/glossary.zh.md``, written in Chinese only) added;
@@ -276,12 +279,12 @@ def english_path(zh_page: pathlib.Path) -> pathlib.Path:
 NOT_ANNOTATED = {"梯度", "损失", "损失函数", "初始化", "学习率", "复现", "指数", "ulp"}
 
 _PROTECTED = re.compile(
-    r"^```.*?^```[^\n]*$"  # fenced code
-    r"|\$\$.*?\$\$|\$[^$]+?\$"  # math
+    r"(?s:^```.*?^```[^\n]*$)"  # fenced code, across lines
+    r"|(?s:\$\$.*?\$\$)|\$[^$]+?\$"  # math
     r"|\{[\w:-]+\}`[^`]*`|`[^`]*`"  # roles, inline code
     r"|\[[^\]]*\]\([^)]*\)|<[^>]+>"  # links, HTML tags
-    r"|^#.*$|^:{3,}.*$|^`{3,}.*$|^:\w+:.*$",  # headings, directive lines and options
-    re.S | re.M,
+    r"|^#.*$|^:{3,}.*$|^`{3,}.*$|^:\w+:.*$",  # headings, directive lines and options: one line each
+    re.M,
 )
 
 
@@ -300,9 +303,21 @@ def glossary_terms() -> list[tuple[str, str]]:
     return sorted(pairs, key=lambda pair: -len(pair[0]))
 
 
+def _without_glosses(text: str, terms: list[tuple[str, str]]) -> str:
+    """``text`` without the English that a translation wrote after a glossary term by hand ("上溢（overflow）",
+    "上溢（overflow，...）"): the page gets it once, at the term's first use (``annotate_first_uses``)."""
+    for zh, en in terms:
+        gloss = r"\s+".join(re.escape(word) for word in en.split())
+        text = re.sub(f"({re.escape(zh)})\\s*[（(]{gloss}s?[）)]", r"\1", text, flags=re.I)
+        text = re.sub(f"({re.escape(zh)})\\s*（{gloss}s?[，,]\\s*", r"\1（", text, flags=re.I)
+    return text
+
+
 def annotate_first_uses(texts: list[str], terms: list[tuple[str, str]] | None = None) -> list[str]:
     """The texts of one page, in reading order, with "（English）" after the first use of each glossary term in
-    running text (not in headings, code, math, links or directives), unless it already has its English."""
+    running text (not in headings, code, math, links or directives), and nowhere else: the English a translation
+    gives by hand after a term is dropped first. A term followed by a parenthesis gets its English inside it
+    ("裁剪（`clipnorm`）" becomes "裁剪（gradient clipping，`clipnorm`）"), never a second pair."""
     terms = glossary_terms() if terms is None else terms
     pattern = re.compile("|".join(re.escape(zh) for zh, _ in terms)) if terms else None
     english = dict(terms)
@@ -312,6 +327,7 @@ def annotate_first_uses(texts: list[str], terms: list[tuple[str, str]] | None = 
         if pattern is None:
             out.append(text)
             continue
+        text = _without_glosses(text, terms)
         protected = [m.span() for m in _PROTECTED.finditer(text)]
         pieces, last = [], 0
         for match in pattern.finditer(text):
@@ -319,14 +335,52 @@ def annotate_first_uses(texts: list[str], terms: list[tuple[str, str]] | None = 
             if term in seen or any(a <= start < b for a, b in protected):
                 continue
             seen.add(term)
-            if text[end:end + 1] in ("（", "("):
-                continue  # written with its English already
+            after = text[end:end + 1]
+            opening = re.match(r"\s*[（(]", text[end:])
+            if opening:
+                # a parenthesis after the term (on the next line, maybe): its English goes first inside it
+                pieces.append(text[last:end + opening.end()] + f"{english[term]}，")
+                last = end + opening.end()
+                continue
             # inside parentheses already: "（全局范数裁剪）" becomes "（全局范数裁剪，global-norm clipping）"
-            note = f"，{english[term]}" if text[end:end + 1] == "）" else f"（{english[term]}）"
+            note = f"，{english[term]}" if after == "）" else f"（{english[term]}）"
             pieces.append(text[last:end] + note)
             last = end
         out.append("".join(pieces) + text[last:])
     return out
+
+
+#: CJK characters and the full-width punctuation written between them.
+_CJK_CHAR = r"[\u3000-\u303f\u3400-\u4dbf\u4e00-\u9fff\uff00-\uffef“”‘’…—]"
+_CJK_BREAK = re.compile(f"(?<={_CJK_CHAR})[ \\t]*\\n[ \\t]*(?={_CJK_CHAR})")
+
+
+_SECTION_LINK = re.compile(r"\[(?P<label>[^\]`*_\[]+)\]\((?P<page>(?![a-z]+:)[^)\s#]+)\.(?:ipynb|md)#(?P<anchor>[\w-]+)\)")
+
+
+def html_section_links(text: str) -> str:
+    """``text`` with each markdown link to a section of another page (``[label](../x/y.ipynb#section)``, the
+    English heading's id) written as an HTML link to that page's HTML (``<a href="../x/y.html#section">``).
+
+    The Chinese pages have the English sections' ids as anchors before their headings
+    (``with_english_anchors``), so the link lands where the English one does; but MyST checks a markdown
+    link's ``#section`` against the slugs of the target page's headings, which are Chinese there, and would
+    warn (the build runs with ``-W``). An HTML link is not checked, and goes to the same place."""
+    return _SECTION_LINK.sub(lambda m: f'<a href="{m["page"]}.html#{m["anchor"]}">{m["label"]}</a>', text)
+
+
+def join_cjk_lines(text: str) -> str:
+    """``text`` with every line break between two Chinese characters (or full-width punctuation) removed, outside
+    fenced code and display math: a browser renders such a break as a space, which Chinese text does not have.
+    The stores keep the translations wrapped as they were written; the Chinese pages get them joined."""
+    fences = [m.span() for m in re.finditer(r"(?s:^(```|:::).*?^\1[^\n]*$)|(?s:\$\$.*?\$\$)", text, re.M)]
+    pieces, last = [], 0
+    for match in _CJK_BREAK.finditer(text):
+        if any(a <= match.start() < b for a, b in fences):
+            continue
+        pieces.append(text[last:match.start()])
+        last = match.end()
+    return "".join(pieces) + text[last:]
 
 
 #: The labels of the toggles of hidden code cells (myst-nb's cell-level ``code_prompt_show``/``code_prompt_hide``,
@@ -393,7 +447,8 @@ def chinese_notebook_text(page: pathlib.Path, found: dict[str, str]) -> str:
                 mystnb[key] = _translated_prompt(mystnb[key])
     markdown = [cell for cell in zh["cells"] if cell["cell_type"] == "markdown"]
     for cell, text in zip(markdown, annotate_first_uses([found[cell["id"]] for cell in markdown])):
-        cell["source"] = with_english_anchors("".join(cell["source"]), text).splitlines(keepends=True)
+        text = html_section_links(join_cjk_lines(with_english_anchors("".join(cell["source"]), text)))
+        cell["source"] = text.splitlines(keepends=True)
     return nbformat.writes(nbformat.from_dict(zh)) + "\n"
 
 
@@ -401,7 +456,8 @@ def chinese_page_text(page: pathlib.Path, found: dict[str, str]) -> str:
     pieces = md_blocks(page.read_text(encoding="utf-8"))
     keys = [i for i, (block, _) in enumerate(pieces) if block.strip() and f"b{i}" in found]
     annotated = dict(zip(keys, annotate_first_uses([found[f"b{i}"] for i in keys])))
-    annotated = {i: with_english_anchors(pieces[i][0], text) for i, text in annotated.items()}
+    annotated = {i: html_section_links(join_cjk_lines(with_english_anchors(pieces[i][0], text)))
+                 for i, text in annotated.items()}
     return join_md_blocks([(annotated.get(i, block), separator) for i, (block, separator) in enumerate(pieces)])
 
 
@@ -507,7 +563,7 @@ def chinese_tree(draft: bool = False) -> dict[pathlib.Path, bytes]:
         raise Untranslated(problems)
     files[ZH / "_config.yml"] = chinese_config_text(site).encode("utf-8")
     files[ZH / "_toc.yml"] = chinese_toc_text(site).encode("utf-8")
-    files[ZH / (GLOSSARY_DOC + ".md")] = GLOSSARY_SOURCE.read_bytes()
+    files[ZH / (GLOSSARY_DOC + ".md")] = join_cjk_lines(GLOSSARY_SOURCE.read_text(encoding="utf-8")).encode("utf-8")
     for name in COPIED:
         files[ZH / name] = (ROOT / name).read_bytes()
     return files

@@ -19,7 +19,7 @@ The package, one idea per module:
 * ``cluster``: the workers of a multi-worker run.
 * ``loop``: :func:`train` itself (compile, install the guard, ``fit``, clean up).
 
-The chapter *The guarded training loop* derives the design and measures its cost.
+The chapter *A training loop that survives NaN* derives the design and measures its cost.
 """
 
 from __future__ import annotations

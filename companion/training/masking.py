@@ -6,7 +6,7 @@ written its own old value, bit for bit; when it is true the update is the one th
 optimizer asked for. Under XLA the select fuses into the optimizer's element-wise
 update, so a guarded step reads and writes each parameter and slot once, as an
 unguarded step does; a conditional update instead makes XLA copy every variable and
-slot (chapter *The guarded training loop*, section on cost).
+slot (chapter *A training loop that survives NaN*, section on cost).
 """
 
 from __future__ import annotations

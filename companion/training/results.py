@@ -181,7 +181,7 @@ class TrainingHistory(keras.callbacks.History):
             update under a conditional, e.g. with a loss scaler or an update that cannot
             be masked), ``"graph"`` (several replicas, or no XLA), or ``"unguarded"``
             (``on_nonfinite="ignore"``). The results are the same; only the speed
-            differs (chapter *The guarded training loop*).
+            differs (chapter *A training loop that survives NaN*).
     """
 
     step_loss: list[float] = dataclasses.field(default_factory=list)
