@@ -4,7 +4,7 @@
 a loss on one batch as the training loop and the diagnostics do, after checking that
 targets and predictions do not broadcast into a comparison of the wrong entries (the
 mistake behind many "the loss is finite but training goes nowhere" reports; the book's
-chapter *The guarded training loop* shows it).
+chapter *A training loop that survives NaN* shows it).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Optimizers for ``model.fit`` users: :class:`SkipNonFinite` skips every update whose
-gradients are not all finite (chapter *The guarded training loop*).
+gradients are not all finite (chapter *A training loop that survives NaN*).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ scalar), and the model's symbolic build takes its example batch from the local
 replica (a repair in :mod:`companion._tf_internals`): the two places where Keras 3's
 ``fit`` fails under ``MultiWorkerMirroredStrategy``.
 
-The design is derived in the chapter *The guarded training loop*.
+The design is derived in the chapter *A training loop that survives NaN*.
 """
 
 from __future__ import annotations

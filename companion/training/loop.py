@@ -1,6 +1,6 @@
 """:func:`companion.training.train`: Keras' own ``fit``, with the guarded step of
 :mod:`companion.training.guard` installed, epoch-end checkpoints, and the clean exit
-after a lost worker (chapter *The guarded training loop*).
+after a lost worker (chapter *A training loop that survives NaN*).
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def train(
 
     The differences from ``fit`` that remain are listed, with their reasons, in the book's
     reference page *Differences from fit*; the design and its cost are in the chapter
-    *The guarded training loop*, several machines in *Training across machines*.
+    *A training loop that survives NaN*, several machines in *Training across machines*.
 
     Args:
         model: a Keras model (or a layer with Keras' ``Trainer`` mixed in).
