@@ -26,7 +26,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import test_doctor_reports as reports  # the cases of the other file, and their runner
 from companion.diagnostics import CAUSES, NaNDoctor, diagnose
+from companion.numerics import safe_pow, signed_pow
 
 HERE = inspect.getsourcefile(lambda: None)
 with open(HERE) as _source:
@@ -548,3 +550,285 @@ def test_there_are_enough_rebuilt_reports_of_each_kind():
     assert sum("custom" in c.kinds for c in CASES) >= 6
     assert sum("mixed" in c.kinds for c in CASES) >= 4
     assert sum("diverge" in c.kinds for c in CASES) >= 4
+
+
+# --------------------------------------------------------------------------------------
+# The reports of test_doctor_reports.py: their first remedy, applied as printed, cures
+# --------------------------------------------------------------------------------------
+
+weighted, net, ones, mse = reports.weighted, reports.net, reports.ones, reports.mse
+
+
+def in_float32(layer):
+    """The same layer built with ``dtype="float32"`` (as the remedy prints it)."""
+    return type(layer)(name=layer.name, dtype="float32")
+
+
+def _dense(name, units, activation=None):
+    return keras.layers.Dense(units, activation=activation, kernel_initializer="zeros", bias_initializer="zeros",
+                              name=name)
+
+
+def fixed_sqrt_of_product():
+    x = ones()
+    x[1] = 0.0
+    return net(weighted("sqrt_cx", lambda w, x: tf.sqrt(tf.maximum(w * x, EPS)))), x, ones(), mse
+
+
+def fixed_norm_of_difference():
+    fn = lambda w, x: tf.sqrt(tf.maximum(tf.reduce_sum(tf.square(x - w), 1, keepdims=True), EPS))  # noqa: E731
+    return net(weighted("dist", fn)), ones(), ones() * 2, mse
+
+
+def fixed_norm_of_relu():
+    def fn(w, x):
+        r = tf.nn.relu(w * x)
+        return tf.sqrt(tf.maximum(tf.reduce_sum(tf.square(r), 1, keepdims=True), EPS)) + r
+
+    return net(weighted("relu_norm", fn)), -ones(), ones(), mse
+
+
+def fixed_triplet_distance():
+    def loss(y, p):
+        d = tf.reduce_sum(tf.square(p - y), axis=1)
+        return tf.reduce_mean(tf.maximum(tf.sqrt(tf.maximum(d, EPS)) + 0.5, 0.0))
+
+    model = net(_dense("embed", 1))
+    return model, ones(), np.zeros((4, 1), "float32"), loss
+
+
+def fixed_where_log():
+    def loss(y, p):
+        return tf.reduce_mean(tf.where(p > 0, -tf.math.log(tf.where(p > 0, p, 1.0)), tf.zeros_like(p)))
+
+    x = ones()
+    x[2] = 0.0
+    return net(weighted("scale", lambda w, x: w * x)), x, ones(), loss
+
+
+def fixed_where_exp_overflow():
+    def fn(w, x):
+        c = w * x > 0
+        return tf.where(c, tf.zeros_like(x), tf.exp(tf.where(c, 1.0, w * x)))
+
+    return net(weighted("gate", fn)), ones() * 1e10, ones(), mse
+
+
+def fixed_where_pow_exp():
+    def fn(w, x):
+        a = w * x
+        return tf.where(a < 15.0, a, tf.pow(10.0, tf.exp(tf.where(a < 15.0, 1.0, a))))
+
+    return net(weighted("branch", fn, init=10.0)), ones(), ones(), mse
+
+
+def fixed_where_reciprocal():
+    def fn(w, x):
+        z = w * x
+        return tf.where(z < 0, 1.0 / (1.0 - z), tf.math.log(tf.where(z < 0, 1.0, z) + 1.0))
+
+    return net(weighted("transfer", fn)), -ones(), ones(), mse
+
+
+def fixed_acos_of_clipped_cosine():
+    def fn(w, x):
+        cosine = tf.clip_by_value(w * x, -1.0, 1.0)
+        return tf.acos(tf.clip_by_value(cosine, -1 + EPS, 1 - EPS))
+
+    return net(weighted("angle", fn)), ones(), ones(), mse
+
+
+def fixed_complex_angle():
+    def loss(y, p):
+        z = tf.complex(p[:, 0], p[:, 1])
+        return tf.reduce_mean(tf.square(tf.math.angle(z + EPS)))
+
+    return net(_dense("complex_out", 2)), ones(), ones(), loss
+
+
+def fixed_atan2_at_origin():
+    def loss(y, p):
+        return tf.reduce_mean(tf.atan2(p[:, 0], p[:, 1] + EPS))
+
+    return net(_dense("xy", 2)), ones(), ones(), loss
+
+
+def fixed_focal_loss_pow():
+    def loss(y, p):
+        return tf.reduce_mean(-safe_pow(1.0 - p, 0.5) * tf.math.log(p))
+
+    model = net(_dense("prob", 1, "sigmoid"))
+    model.layers[-1].bias.assign([40.0])
+    return model, ones(), ones(), loss
+
+
+def fixed_crossentropy_on_probabilities():
+    def loss(y, p):
+        return -tf.reduce_sum(tf.math.log(tf.maximum(p, EPS)) * y)
+
+    return net(_dense("policy", 2, "relu")), ones(), ones(4, 2), loss
+
+
+def fixed_logistic_loss_saturated():
+    def loss(y, p):
+        return -tf.reduce_mean(y * tf.math.log(tf.maximum(p, EPS)) + (1 - y) * tf.math.log(tf.maximum(1.0 - p, EPS)))
+
+    model = net(keras.layers.Dense(1, activation="sigmoid", name="logit"))
+    model.layers[-1].set_weights([np.full((1, 1), 50.0, "float32"), np.zeros(1, "float32")])
+    return model, ones(), np.zeros((4, 1), "float32"), loss
+
+
+def fixed_naive_softplus():
+    return net(weighted("softplus", lambda w, x: tf.nn.softplus(w * x))), ones() * 100.0, ones(), mse
+
+
+def fixed_naive_softmax():
+    fn = lambda w, x: tf.nn.softmax(w * x, axis=1)  # noqa: E731
+    return net(weighted("softmax", fn), features=3), np.full((4, 3), 100.0, "float32"), ones(4, 3), mse
+
+
+def fixed_float16_square():
+    model, x, y, loss = reports.float16_square()
+    return net(in_float32(model.get_layer("energy"))), x, y, loss
+
+
+def fixed_float16_exp():
+    model, x, y, loss = reports.float16_exp()
+    return net(in_float32(model.get_layer("growth"))), x, y, loss
+
+
+def fixed_negative_base_pow():
+    return net(weighted("power", lambda w, x: signed_pow(w * x, 0.3), init=-1.0)), ones(), ones(), mse
+
+
+def fixed_dice_without_smoothing():
+    def loss(y, p):
+        intersection = tf.reduce_sum(y * p)
+        return 1.0 - tf.math.divide_no_nan(2.0 * intersection, tf.reduce_sum(y) + tf.reduce_sum(p))
+
+    return net(_dense("mask", 1, "relu")), ones(), np.zeros((4, 1), "float32"), loss
+
+
+def fixed_normalize_zero_rows():
+    def fn(w, x):
+        z = w * x
+        return tf.math.divide_no_nan(z, tf.reduce_sum(z, axis=1, keepdims=True))
+
+    return net(weighted("normalize", fn), features=2), np.zeros((4, 2), "float32"), ones(4, 2), mse
+
+
+def fixed_cosine_of_zero_vector():
+    def loss(y, p):
+        return -tf.reduce_mean(tf.reduce_sum(tf.math.l2_normalize(y, 1) * tf.math.l2_normalize(p, 1), 1))
+
+    return net(_dense("embedding", 2)), ones(), ones(4, 2), loss
+
+
+def fixed_poisson_log_of_relu():
+    def loss(y, p):
+        return tf.reduce_mean(p - y * tf.math.log(tf.maximum(p, EPS)))
+
+    return net(_dense("rate", 1, "relu")), ones(), ones(), loss
+
+
+def fixed_negative_variance():
+    def fn(w, x):
+        z = w * x
+        variance = tf.reduce_mean(tf.square(z)) - tf.square(tf.reduce_mean(z)) - 1e-7
+        return z / tf.sqrt(tf.maximum(variance, EPS))
+
+    return net(weighted("standardize", fn)), ones() * 0.214441, ones(), mse
+
+
+def fixed_lgamma_at_zero():
+    def loss(y, p):
+        return tf.reduce_mean(tf.math.lgamma(tf.maximum(p, EPS)) - y * tf.math.log(p + 1.0))
+
+    return net(_dense("count", 1, "relu")), ones(), ones(), loss
+
+
+def fixed_masked_attention_row():
+    def fn(w, x):
+        return tf.nn.softmax(w * x + tf.constant([[-1e9, -1e9, -1e9]]), axis=-1)
+
+    return net(weighted("attention", fn), features=3), ones(4, 3), ones(4, 3), mse
+
+
+def fixed_data_with_nan():
+    model, x, y, loss = reports.data_with_nan()
+    keep = np.isfinite(x).all(axis=1)  # the rows the remedy names, dropped
+    return model, x[keep], y[keep], loss
+
+
+#: Each reported case: what its first remedy says, and the case with it applied.
+FIXED = {
+    "sqrt_of_product": ("tf.sqrt(tf.maximum(x, 1.19e-07))", fixed_sqrt_of_product),
+    "norm_of_difference": ("tf.sqrt(tf.maximum(x, 1.19e-07))", fixed_norm_of_difference),
+    "norm_of_relu": ("tf.sqrt(tf.maximum(x, 1.19e-07))", fixed_norm_of_relu),
+    "triplet_distance": ("tf.sqrt(tf.maximum(x, 1.19e-07))", fixed_triplet_distance),
+    "keras_normalize_zero_vector": ("jit_compile=False", None),
+    "where_log": ("tf.where(c, f(tf.where(c, x, 1.0)), y)", fixed_where_log),
+    "where_exp_overflow": ("tf.where(c, f(tf.where(c, x, 1.0)), y)", fixed_where_exp_overflow),
+    "where_pow_exp": ("tf.where(c, f(tf.where(c, x, 1.0)), y)", fixed_where_pow_exp),
+    "where_reciprocal": ("tf.where(c, f(tf.where(c, x, 1.0)), y)", fixed_where_reciprocal),
+    "acos_of_clipped_cosine": ("tf.acos(tf.clip_by_value(x, -1 + 1.19e-07, 1 - 1.19e-07))",
+                               fixed_acos_of_clipped_cosine),
+    "complex_angle": ("tf.math.angle(z + 1.19e-07)", fixed_complex_angle),
+    "atan2_at_origin": ("tf.atan2(y, x + 1.19e-07)", fixed_atan2_at_origin),
+    "focal_loss_pow": ("companion.numerics.safe_pow(x, p)", fixed_focal_loss_pow),
+    "crossentropy_on_probabilities": ("tf.math.log(tf.maximum(x, 1.19e-07))", fixed_crossentropy_on_probabilities),
+    "logistic_loss_saturated": ("tf.math.log(tf.maximum(x, 1.19e-07))", fixed_logistic_loss_saturated),
+    "naive_softplus": ("tf.nn.softplus(x)", fixed_naive_softplus),
+    "naive_softmax": ("tf.nn.softmax(x, axis)", fixed_naive_softmax),
+    "float16_square": ('Weighted(..., dtype="float32")', fixed_float16_square),
+    "float16_exp": ('Weighted(..., dtype="float32")', fixed_float16_exp),
+    "negative_base_pow": ("companion.numerics.signed_pow(x, p)", fixed_negative_base_pow),
+    "dice_without_smoothing": ("tf.math.divide_no_nan(x, y)", fixed_dice_without_smoothing),
+    "normalize_zero_rows": ("tf.math.divide_no_nan(x, y)", fixed_normalize_zero_rows),
+    "cosine_of_zero_vector": ("tf.math.l2_normalize(x, axis)", fixed_cosine_of_zero_vector),
+    "poisson_log_of_relu": ("tf.math.log(tf.maximum(x, 1.19e-07))", fixed_poisson_log_of_relu),
+    "negative_variance": ("tf.sqrt(tf.maximum(x, 1.19e-07))", fixed_negative_variance),
+    "lgamma_at_zero": ("tf.math.lgamma(tf.maximum(x, 1.19e-07))", fixed_lgamma_at_zero),
+    "masked_attention_row": ("a large finite negative mask instead of -inf: -1e9", fixed_masked_attention_row),
+    "data_with_nan": ("drop or impute row 1 of the batch", fixed_data_with_nan),
+    "exploding_learning_rate": ("keras.optimizers.SGD(learning_rate=0.1)", None),
+}
+
+
+def _fixed_run(case, mode):
+    """The case with its remedy applied, run as its reporter ran it: the diagnosis (None: finite)."""
+    if case.id == "keras_normalize_zero_vector":  # compile without XLA, as printed
+        model, x, y, loss = case.build()
+        model.compile(loss=loss, optimizer=keras.optimizers.SGD(1e-3), jit_compile=False)
+        return diagnose(model, (x, y))
+    if case.id == "exploding_learning_rate":  # the learning rate the remedy prints
+        model, x, y, loss = case.build()
+        model.compile(loss=loss, optimizer=keras.optimizers.SGD(0.1))
+        doctor = NaNDoctor(verbose=False)
+        model.fit(x, y, batch_size=4, epochs=3, verbose=0, shuffle=False, callbacks=[doctor])
+        return doctor.diagnosis
+    fixed = dataclasses.replace(case, build=FIXED[case.id][1])
+    return reports.run(fixed, mode)
+
+
+def test_every_reported_case_has_a_fix():
+    assert set(FIXED) == {case.id for case in reports.CASES}
+
+
+@pytest.mark.parametrize("case", reports.CASES, ids=[c.id for c in reports.CASES])
+def test_the_first_remedy_of_a_reported_case_applied_as_printed_makes_its_step_finite(case):
+    mode = case.modes[0]
+    d = reports.run(case, mode)
+    keras.mixed_precision.set_global_policy("float32")
+    assert d is not None and (d.cause, d.op) == (case.cause, case.op), str(d)
+    expected, _ = FIXED[case.id]
+    assert d.remedy is not None and expected in d.remedy, str(d)
+    assert str(d).index("  remedy:") < str(d).index("  fix:")  # printed first
+    if case.line:
+        assert d.source == f"{reports.HERE}:{reports.marked(case.id)}"
+    assert _fixed_run(case, mode) is None, f"{case.id}: the remedy {d.remedy!r} does not cure"
+
+
+def test_there_are_at_least_40_rebuilt_reports_whose_first_remedy_cures():
+    urls = {c.url for c in CASES} | {c.url for c in reports.CASES}
+    assert len(urls) == len(CASES) + len(reports.CASES) >= 40
