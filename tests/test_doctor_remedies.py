@@ -47,7 +47,7 @@ def marked(case_id: str) -> int:
 class Case:
     id: str
     url: str
-    kinds: tuple[str, ...]  # "custom" (own train_step), "mixed", "diverge"
+    kinds: tuple[str, ...]  # "custom" (own train_step), "mixed", "diverge", "library" (an op it cannot edit)
     build: Callable  # (fixed: bool) -> (model, x, y, fit kwargs)
     cause: str
     op: str | None
@@ -222,7 +222,8 @@ class TripletModel(keras.Model):
         self.embedding, self.fixed = embedding, fixed
 
     def call(self, inputs):
-        return tuple(self.embedding(inputs[k]) for k in ("anchor", "positive", "negative"))
+        anchor, positive, negative = inputs
+        return self.embedding(anchor), self.embedding(positive), self.embedding(negative)
 
     def train_step(self, data):
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
@@ -247,7 +248,7 @@ def triplet_sqrt_distance(fixed=False):
     anchor = rng.normal(size=(16, 5)).astype("float32")
     negative = rng.normal(size=(16, 5)).astype("float32")
     positive = anchor.copy()
-    return model, {"anchor": anchor, "positive": positive, "negative": negative}, None, {"batch_size": 8}
+    return model, (anchor, positive, negative), None, {"batch_size": 8}  # fit(x=(a, p, n)): one multi-input x
 
 
 class SupCon(keras.Model):
@@ -417,6 +418,25 @@ def mixed_attention_scores(fixed=False):
 
 
 # --------------------------------------------------------------------------------------
+# An op inside a library function the user cannot edit
+# --------------------------------------------------------------------------------------
+
+
+def library_norm(fixed=False):
+    # tf.norm of a zero difference: its Sqrt, inside tf.norm, has an infinite derivative.
+    def loss(y, p):
+        if fixed:
+            return tf.reduce_mean(tf.sqrt(tf.maximum(tf.reduce_sum(tf.square(p - y), axis=1), EPS)))
+        return tf.reduce_mean(tf.norm(p - y, axis=1))  # <- library_norm
+
+    seeded()
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, kernel_initializer="zeros", name="embed")],
+                             name="net")
+    model.compile(loss=loss, optimizer="sgd")
+    return model, np.ones((4, 3), "float32"), np.zeros((4, 2), "float32"), {"batch_size": 4}
+
+
+# --------------------------------------------------------------------------------------
 # Runs that diverge over steps
 # --------------------------------------------------------------------------------------
 
@@ -493,14 +513,18 @@ CASES = [
          "overflow", "Sum", 'Energy(..., dtype="float32")', run="diagnose"),
     Case("mixed_attention_scores", "https://github.com/tensorflow/tensorflow/issues/56142", ("mixed",),
          mixed_attention_scores, "overflow", "BatchMatMulV2", 'Attention(..., dtype="float32")', run="diagnose"),
+    Case("library_norm", "https://github.com/jina-ai/finetuner/pull/34", ("library",), library_norm,
+         "singular_derivative", "SqrtGrad",
+         "tf.norm(x, axis=a) -> tf.sqrt(tf.maximum(tf.reduce_sum(tf.square(x), axis=a), 1.19e-07))",
+         run="diagnose"),
     Case("diverge_unscaled_regression", "https://github.com/keras-team/keras/issues/3040", ("diverge",),
          diverge_unscaled_regression, "divergence", None, "learning rate ten times smaller", line=False),
     Case("diverge_lstm", "https://github.com/keras-team/keras/issues/6399", ("diverge",), diverge_lstm,
          "divergence", None, "learning rate ten times smaller", line=False),
     Case("diverge_simple_rnn", "https://github.com/keras-team/keras/issues/7375", ("diverge",), diverge_simple_rnn,
          "divergence", None, "learning rate ten times smaller", line=False),
-    Case("diverge_guide_model", "https://github.com/alexander-rakhlin/CNN-for-Sentence-Classification-in-Keras/issues/7",
-         ("custom", "diverge"), diverge_guide_model, "divergence", None, "learning rate ten times smaller",
+    Case("diverge_guide_model",
+         "https://github.com/alexander-rakhlin/CNN-for-Sentence-Classification-in-Keras/issues/7", ("custom", "diverge"), diverge_guide_model, "divergence", None, "learning rate ten times smaller",
          line=False),
 ]
 
@@ -512,7 +536,7 @@ def _fit_data(x, y):
 def diagnosis_of(case: Case):
     model, x, y, kwargs = case.build(False)
     if case.run == "diagnose":
-        return model, diagnose(model, (x, y) if y is not None else x, batch_size=kwargs.get("batch_size"))
+        return model, diagnose(model, (x, y) if y is not None else (x,), batch_size=kwargs.get("batch_size"))
     doctor = NaNDoctor(verbose=False)
     model.fit(*_fit_data(x, y), shuffle=False, verbose=0, callbacks=[doctor],
               **{"epochs": 1, **kwargs})
@@ -526,7 +550,7 @@ def finite_after_remedy(case: Case) -> bool:
         history = model.fit(*_fit_data(x, y), shuffle=False, verbose=0, **{"epochs": 1, **kwargs})
         logged = [v for values in history.history.values() for v in values]
         return all(np.isfinite(logged)) and all(np.isfinite(w).all() for w in model.get_weights())
-    found = diagnose(model, (x, y) if y is not None else x, batch_size=kwargs.get("batch_size"))
+    found = diagnose(model, (x, y) if y is not None else (x,), batch_size=kwargs.get("batch_size"))
     return found is None
 
 

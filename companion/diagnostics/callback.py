@@ -200,6 +200,8 @@ class NaNDoctor(keras.callbacks.Callback):
         if isinstance(data, dict):
             kwargs = dict(y=data["y"], sample_weight=data["sample_weight"], batch_size=data["batch_size"])
             data = data["x"]
+            if kwargs["y"] is None and kwargs["sample_weight"] is None and isinstance(data, (tuple, list)):
+                data = (tuple(data),)  # fit's x=(a, b, c) is one multi-input x, not (x, y, sample_weight)
         else:
             kwargs = {}
         # The step's own batch first (fit's order, if unshuffled), then a scan from the start.

@@ -183,6 +183,29 @@ def _spelled(op: str, code: str) -> bool:
     return bool(name) and re.search(rf"\b{re.escape(name)}\(", code) is not None
 
 
+#: Library functions whose square root is singular at 0 (a norm), and the form to write instead.
+NORMS = re.compile(r"\b((?:tf\.|keras\.)?(?:linalg\.|ops\.|math\.)?(?:norm|reduce_euclidean_norm))\(")
+
+#: Calls that only reduce or combine (never the library function that holds the op).
+GENERIC = frozenset({"reduce_mean", "reduce_sum", "mean", "sum", "maximum", "minimum", "where", "cast", "abs",
+                     "square", "add", "multiply", "subtract", "reshape", "concat", "stack"})
+
+
+def _inside_library(at: str, op: str, line: str, eps: float) -> str:
+    """The remedy for an op inside a TensorFlow or Keras function the user calls and cannot edit."""
+    norm = NORMS.search(line)
+    if norm is not None and op == "Sqrt":
+        name = norm.group(1)
+        return (f"{at}the Sqrt is inside {name}, which you cannot edit: {name}(x, axis=a) -> "
+                f"tf.sqrt(tf.maximum(tf.reduce_sum(tf.square(x), axis=a), {eps:.3g})) (the norm's square "
+                "clamped: a finite value, and a zero gradient at 0)")
+    calls = [c for c in re.findall(r"([\w.]+)\(", line) if c.rpartition(".")[2] not in GENERIC]
+    inside = calls[-1] if calls else "a library function"
+    return (f"{at}the {op} is inside {inside}, which you cannot edit: keep its input off the edge "
+            f"(tf.maximum(x, {eps:.3g}) for an input that reaches 0), or pass that function's own "
+            "epsilon argument")
+
+
 def choose(d) -> str | None:
     """The first remedy for diagnosis ``d``, written against its line, or ``None``.
 
@@ -206,11 +229,7 @@ def choose(d) -> str | None:
     if d.cause == "inf_arithmetic" and re.search(r"-\s*(np\.|math\.|float\(\")?inf", code):
         return f"{at}a large finite negative mask instead of -inf: -1e9 (float32) or -3e4 (float16)"
     if not _spelled(op, line) and op in SPELLING and d.cause != "overflow":
-        called = re.search(r"([\w.]+)\(", line)
-        inside = called.group(1) if called else "a library function"
-        return (f"{at}the {op} is inside {inside}, which you cannot edit: keep its input off the edge: "
-                f"{inside}(tf.maximum(x, {eps:.3g})) for an input that reaches 0, or that function's own "
-                "epsilon argument")
+        return _inside_library(at, op, line, eps)
     if op == "Sqrt" and d.cause in ("singular_derivative", "domain_edge"):
         return (f"{at}tf.sqrt(x) -> tf.sqrt(tf.maximum(x, {eps:.3g})) (x clamped at {d.dtype or 'float32'}'s "
                 "eps: a finite value, and a zero gradient below it)")
