@@ -138,10 +138,11 @@ class NaNDoctor(keras.callbacks.Callback):
             functions = self._functions or _functions(self.model)
             if functions.stale(self.model, self._steps):
                 # An optimizer built in the first step (a GAN's d_optimizer): watch its state too.
+                old = functions
                 self._functions = functions = _functions(self.model)
                 weights_ok, after = bool(functions.finite_now()), functions.copy()
                 if self._before is not None and len(self._before) != len(after):
-                    self._before = None
+                    self._before = _extended(old, self._before, functions, after)
             else:
                 weights_ok, after = functions.check_and_copy()
             self._steps += 1
@@ -199,6 +200,8 @@ class NaNDoctor(keras.callbacks.Callback):
         if isinstance(data, dict):
             kwargs = dict(y=data["y"], sample_weight=data["sample_weight"], batch_size=data["batch_size"])
             data = data["x"]
+            if kwargs["y"] is None and kwargs["sample_weight"] is None and isinstance(data, (tuple, list)):
+                data = (tuple(data),)  # fit's x=(a, b, c) is one multi-input x, not (x, y, sample_weight)
         else:
             kwargs = {}
         # The step's own batch first (fit's order, if unshuffled), then a scan from the start.
@@ -206,6 +209,26 @@ class NaNDoctor(keras.callbacks.Callback):
         if found is not None:
             return replace(found, epoch=self._epoch)
         return diagnose(self.model, data, self.loss, losses_before=self._losses, **kwargs)
+
+
+def _extended(old: "_Functions", before: list, new: "_Functions", after: list) -> list:
+    """``before`` (the values of ``old``'s variables) for ``new``'s variables.
+
+    The variables the first step created (an optimizer's, built by its first
+    ``apply``) had their initial values before it: 0 for the iteration count and the
+    slots (momentum, velocity: Keras creates them as zeros); a loss scale or a learning
+    rate keeps its value now (after a non-finite step a dynamic loss scale is halved).
+    """
+    known = {id(v): value for v, value in zip(old.variables, before)}
+    values = []
+    for variable, value in zip(new.variables, after):
+        if id(variable) in known:
+            values.append(known[id(variable)])
+            continue
+        name = str(getattr(variable, "path", None) or getattr(variable, "name", "")).lower()
+        keeps = "scale" in name or "learning_rate" in name
+        values.append(value if keeps else tf.zeros_like(value))
+    return values
 
 
 def _as_float(value) -> float:

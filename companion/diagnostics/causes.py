@@ -67,14 +67,14 @@ CAUSES: dict[str, Cause] = {
         "companion.numerics.safe_pow / signed_pow for powers; "
         "companion.numerics.double_where around sqrt and norms at 0; "
         "sqrt(var + eps) for a std; clip acos/asin into (-1, 1)",
-        f"{_FOUNDATIONS}#inf-the-power-at-zero",
+        f"{_CHECKLIST}#common-sources-each-in-a-few-lines",
     ),
     "pow_negative_base": Cause(
         "a power x**p of a negative base: NaN for a non-integer p, and log(x) = NaN in "
         "the gradient with respect to p",
         "companion.numerics.signed_pow (sign(x) * abs(x)**p) or safe_pow; keep the base "
         "positive (softplus, exp) if it must be",
-        "book/case_a/log_exp_power#what-tf-pow-s-gradient-does-at-0-and-below",
+        "book/case_a/log_exp_power#the-exact-power-safe-pow-and-signed-pow",
     ),
     "division_by_zero": Cause(
         "a division by 0 (x/0 = Inf, 0/0 = NaN), in the op or in its gradient",
@@ -88,7 +88,7 @@ CAUSES: dict[str, Cause] = {
         "tf.nn.softplus, tf.math.log_sigmoid, tf.reduce_logsumexp instead of the "
         "naive formulas; keep that layer in float32 under mixed precision; loss "
         "scaling; scaled dot-product attention",
-        "book/case_b/reproduce#the-overflow-threshold-and-how-a-right-value-gets-a-nan-gradient",
+        f"{_CHECKLIST}#common-sources-each-in-a-few-lines",
     ),
     "where_trap": Cause(
         "a NaN or Inf in the branch a tf.where did not select: the forward value is "
@@ -101,14 +101,14 @@ CAUSES: dict[str, Cause] = {
         "of a negative number, acos of 1.5, lgamma at 0",
         "clip or map the input into the open domain (tf.clip_by_value, softplus for "
         "positive, tanh for (-1, 1))",
-        f"{_CHECKLIST}#common-sources-each-in-a-few-lines",
+        "book/closing/finding_your_own_nan#fit-two-outputs-a-kl-loss-on-raw-features",
     ),
     "inf_arithmetic": Cause(
         "0 * Inf or Inf - Inf, with no more specific cause found",
         "find where the Inf comes from (the op's inputs below) and keep it out, e.g. "
         "with companion.numerics.double_where; a -inf mask: use a large finite "
         "negative number",
-        f"{_FOUNDATIONS}#the-backward-pass-multiplies-and-ieee-arithmetic-turns-invalid-operations-into-nan",
+        f"{_CHECKLIST}#common-sources-each-in-a-few-lines",
     ),
     "divergence": Cause(
         "values that grew step after step until they overflowed (the loss grew "
@@ -131,13 +131,13 @@ CAUSES: dict[str, Cause] = {
         "run with tf.config.experimental.enable_op_determinism() and the same seeds; "
         "save the step (Diagnosis.save) and replay it on another machine; a NaN that "
         "never repeats is skipped by companion.training.train",
-        "book/tools/training_loop#a-run-with-skipped-steps",
+        "book/closing/finding_your_own_nan#a-custom-train-step-a-checked-remedy-a-capsule",
     ),
     "unclassified": Cause(
         "a non-finite value whose cause the doctor does not recognise",
         "read the op, its inputs and the line below; locate_nonfinite on a smaller "
         "example",
-        f"{_CHECKLIST}#common-sources-each-in-a-few-lines",
+        "book/tools/training_loop#which-variable-which-op",
     ),
 }
 

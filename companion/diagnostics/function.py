@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import numpy as np
@@ -9,6 +10,7 @@ import tensorflow as tf
 
 from companion._gradients import gradient_values
 from companion.diagnostics.doctor import Diagnosis, from_event, keep_state
+from companion.diagnostics.remedies import choose
 from companion.diagnostics.step import culprit
 from companion.diagnostics.trace import OpTracer, eager_trace, nonfinite_mask
 
@@ -81,6 +83,9 @@ def diagnose_function(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Diag
     found = from_event(
         event, tracer, index=None, variables=(), disagreement=None, loss_finite=event.backward, losses_before=()
     )
+    remedy = choose(found)
+    if remedy is not None:
+        found = dataclasses.replace(found, remedy=remedy)
     return keep_state(found, _arguments_state(args, kwargs))
 
 

@@ -1,0 +1,111 @@
+"""Every cause's book section shows that cause's own example and its fix (issue 27, deliverable 6).
+
+A section is a heading of a chapter and everything up to the next heading of the same or a
+higher level: its markdown and its code. The checklist's *Common sources* section is a table
+that :data:`companion.checklist.CASES` fills (a case, the cause the doctor names for it, and
+its safe form), so for it the rows of the cases filed under the cause count as its text.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+import pytest
+
+from companion.checklist import CASES as CHECKLIST
+from companion.diagnostics import CAUSES
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TABLE = "book/closing/checklist#common-sources-each-in-a-few-lines"
+
+#: For each cause, words of its example and words of its fix that its section must show.
+SHOWS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "nonfinite_input": (("data", "0/0"), ("np.isfinite", "divide_no_nan")),
+    "nonfinite_weights": (("skipped", "weights finite"), ("train(", "on_nonfinite")),
+    "log_of_zero": (("log",), ("xlogy", "from logits")),
+    "singular_derivative": (("norm at 0", "acos at 1"), ("double_where", "clip into (-1, 1)")),
+    "pow_negative_base": (("-2.0", "negative"), ("signed_pow",)),
+    "division_by_zero": (("x / (x + y) at 0, 0",), ("divide_no_nan",)),
+    "overflow": (("log(1 + exp(100))", "float16 300 ** 2"), ("softplus", "square in float32")),
+    "where_trap": (("tf.where",), ("double_where",)),
+    "domain_edge": (("log", "negative"), ("softmax",)),
+    "inf_arithmetic": (("softmax of (100, 0)",), ("tf.nn.softmax",)),
+    "divergence": (("learning rate", "grows"), ("clipnorm", "smaller learning rate")),
+    "compiled_only": (("XLA",), ("jit_compile",)),
+    "not_reproducible": (("does not reproduce",), ("save", "replay")),
+    "unclassified": ((), ("locate_nonfinite",)),
+}
+
+#: Causes whose example no chapter shows yet (a chapter's notebook has to gain it).
+MISSING_EXAMPLE = {"not_reproducible": "no chapter shows a NaN that does not reproduce on a re-run"}
+
+
+def _anchor(heading: str) -> str:
+    make_id = pytest.importorskip("docutils.nodes").make_id
+    return make_id(re.sub(r"[`$]", "", heading))
+
+
+def section_text(section: str) -> str:
+    """The markdown and code of ``chapter#anchor``, up to the next heading of its level or above."""
+    chapter, _, anchor = section.partition("#")
+    cells = json.loads((ROOT / f"{chapter}.ipynb").read_text())["cells"]
+    level, lines = None, []
+    for cell in cells:
+        source = "".join(cell["source"]).splitlines()
+        if cell["cell_type"] != "markdown":
+            if level is not None:
+                lines.extend(source)
+            continue
+        for line in source:
+            heading = re.match(r"^(#+)\s+(.*)", line)
+            if heading:
+                depth = len(heading.group(1))
+                if level is not None and depth <= level:
+                    return "\n".join(lines)
+                if _anchor(heading.group(2)) == anchor:
+                    level = depth
+            if level is not None:
+                lines.append(line)
+    assert level is not None, f"no section {section}"
+    return "\n".join(lines)
+
+
+def shown(cause: str) -> str:
+    section = CAUSES[cause].section
+    text = section_text(section)
+    if section == TABLE:  # the rows the table shows for this cause
+        text += "\n" + "\n".join(f"{name} | {case.fix_name}" for name, case in CHECKLIST.items()
+                                 if case.cause == cause)
+    return text
+
+
+def test_every_cause_has_what_its_section_must_show():
+    assert set(SHOWS) == set(CAUSES)
+
+
+@pytest.mark.parametrize("cause", sorted(CAUSES))
+def test_the_section_of_a_cause_shows_its_fix(cause):
+    text = shown(cause)
+    _, fix = SHOWS[cause]
+    missing = [word for word in fix if word not in text]
+    assert not missing, f"{cause}: {CAUSES[cause].section} does not show its fix: {missing}"
+
+
+@pytest.mark.parametrize(
+    "cause",
+    [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=MISSING_EXAMPLE[c])) if c in MISSING_EXAMPLE else c
+     for c in sorted(CAUSES)],
+)
+def test_the_section_of_a_cause_shows_its_own_example(cause):
+    text = shown(cause)
+    example, _ = SHOWS[cause]
+    missing = [word for word in example if word not in text]
+    assert not missing, f"{cause}: {CAUSES[cause].section} does not show its example: {missing}"
+
+
+def test_the_checklist_table_has_a_case_of_each_cause_that_points_to_it():
+    for cause, entry in CAUSES.items():
+        if entry.section == TABLE and cause != "unclassified":
+            assert any(case.cause == cause for case in CHECKLIST.values()), cause
