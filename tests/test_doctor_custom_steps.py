@@ -101,7 +101,7 @@ def test_diagnose_runs_a_models_own_train_step_and_names_the_backward_op_of_its_
     d = diagnose(model, (x, y), batch_size=16)
     assert (d.batch, d.phase, d.op, d.forward_op, d.cause) == (0, "backward", "SqrtGrad", "Sqrt", "singular_derivative")
     assert d.source.endswith(f":{_line_of(Custom.train_step, 'the loss line')}")
-    assert "dense/kernel" in " ".join(d.variables)
+    assert any(v.split("/")[-2].startswith("dense") and v.endswith("/kernel") for v in d.variables)
     assert d.symptom == "finite logs, non-finite values written"
     assert _same(before, _values(everything(model)))  # the doctor ran the step and changed nothing
 

@@ -387,6 +387,10 @@ class RandomNaN(keras.layers.Layer):
         return x + 0.0 * keras.ops.log(u - 0.5)
 
 
+@pytest.mark.skipif(
+    tuple(int(p) for p in keras.__version__.split(".")[:2]) < (3, 6),
+    reason="Keras 3.5's fit makes no NaN from this layer's draws (measured: fit's loss stays finite)",
+)
 def test_a_skipped_random_draw_is_not_drawn_again():
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((2,)), RandomNaN(), keras.layers.Dense(1)])
