@@ -36,6 +36,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from companion import _tf_internals
 from companion.diagnostics.data import nonfinite_data
 from companion.diagnostics.sources import layer_path
 from companion.diagnostics.trace import nonfinite_mask
@@ -48,7 +49,7 @@ LOW_PRECISION = ("float16", "bfloat16")
 def _layer(model, path: str | None):
     if not path:
         return None
-    for layer in model._flatten_layers(include_self=False):  # noqa: SLF001 - Keras' own layer walk
+    for layer in _tf_internals.all_layers(model)[1:]:  # every nested layer, not the model
         if layer_path(layer) == path:
             return layer
     return None
