@@ -27,6 +27,7 @@ import tensorflow as tf
 from companion import _tf_internals
 from companion._version import __version__
 from companion.diagnostics.gradients import _variable_path
+from companion.diagnostics.state import components
 from companion.diagnostics.step import optimizers_of
 
 __all__ = ["Replayed", "load", "replay", "save"]
@@ -68,8 +69,14 @@ def _array(value) -> np.ndarray:
 
 
 def variables_state(model: Any) -> dict[str, np.ndarray]:
-    """Every variable a step of ``model`` may change, by key, as NumPy arrays."""
-    return {key: _array(variable) for key, variable in named_variables(model)}
+    """Every variable a step of ``model`` may change, by key, as NumPy arrays.
+
+    Under a distribution strategy each variable's first local copy is read, without any
+    collective (reading a sync-on-read variable, a metric's, in cross-replica context
+    would all-reduce it: under several workers, a collective that only the worker
+    diagnosing its shard would join).
+    """
+    return {key: _array(components(variable)[0]) for key, variable in named_variables(model)}
 
 
 def _structure(nest, prefix: str, arrays: dict, dtypes: dict):

@@ -56,12 +56,16 @@ def _layer(model, path: str | None):
 
 
 def _finite_step(model, loss_fn, x, y, w) -> bool:
-    """Whether one (graph-mode, no XLA) scanning step on this batch is finite; changes nothing."""
+    """Whether one scanning step on this batch is finite; changes nothing.
+
+    Eagerly for a compiled model's loss: a check of one batch needs no trace, and a new
+    ``tf.function`` per check would count as retracing the doctor's scanning step.
+    """
     from companion.diagnostics.doctor import _compiled_step, _run_scan_step  # noqa: PLC0415
     from companion.diagnostics.step import OwnStepScan  # noqa: PLC0415
 
     own = loss_fn is None
-    step = OwnStepScan(model, False) if own else _compiled_step(model, loss_fn, False)
+    step = OwnStepScan(model, False) if own else _compiled_step(model, loss_fn, None)
     ok, bad, _ = _run_scan_step(model, step, own, x, y, w)
     return ok and not bad
 
