@@ -29,11 +29,24 @@ def scale_gradient(gradient, factor):
 
 
 def global_norm(gradients: Sequence[Any]) -> tf.Tensor:
-    """The float32 global norm sqrt(sum of all squared entries), NaN or Inf if any entry is."""
-    squares = [tf.reduce_sum(tf.square(tf.cast(gradient_values(g), tf.float32))) for g in gradients if g is not None]
+    """The float32 global norm sqrt(sum of all squared entries), NaN or Inf if any entry is.
+
+    In raw ops: the guard traces it into every training step, where a wrapper's Python
+    costs more than the op.
+    """
+    squares = []
+    for gradient in gradients:
+        if gradient is None:
+            continue
+        values = tf.convert_to_tensor(gradient_values(gradient))
+        if values.dtype != tf.float32:
+            values = tf.cast(values, tf.float32)
+        rank = values.shape.rank
+        axis = list(range(rank)) if rank is not None else tf.range(tf.rank(values))
+        squares.append(tf.raw_ops.Sum(input=tf.raw_ops.Square(x=values), axis=axis))
     if not squares:
         return tf.constant(0.0, tf.float32)
-    return tf.sqrt(tf.add_n(squares))
+    return tf.raw_ops.Sqrt(x=squares[0] if len(squares) == 1 else tf.raw_ops.AddN(inputs=squares))
 
 
 def all_finite(gradients: Sequence[Any]) -> tf.Tensor:

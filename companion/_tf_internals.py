@@ -246,13 +246,41 @@ def all_layers(model) -> list:
 # that none is created inside the traced step.
 # If gone: the compiled loss and metrics are built by evaluating them once, eagerly, on
 # a batch of zeros of the dataset's shapes, after which the metrics are reset.
+# Relies on, to skip a build that would create no variable (the symbolic build runs the
+# model's forward pass once more, a tenth of a small model's first call): the private
+# ``model._compile_metrics`` and ``model._compile_loss`` (Keras' ``CompileMetrics`` and
+# ``CompileLoss``, with ``.built``), and ``CompileLoss.build`` creating a ``Mean`` tracker
+# per loss only when there are several.
+# If gone: the symbolic build runs (the same variables, a little slower).
+
+
+def _builds_no_variable(model) -> bool:
+    """Whether building ``model``'s compiled state would create no variable: every layer
+    built, the compiled metrics absent or built, and the compiled loss built or for one
+    output (its per-output trackers exist only for several)."""
+    if not hasattr(model, "_compile_metrics") or not hasattr(model, "_compile_loss"):
+        return False
+    if not all(layer.built for layer in all_layers(model)):
+        return False
+    metrics = model._compile_metrics
+    if metrics is not None and not metrics.built:
+        return False
+    loss = model._compile_loss
+    if loss is None or loss.built:
+        return True
+    try:
+        outputs = model.outputs  # a functional or Sequential model's (a subclassed one has none)
+    except (AttributeError, ValueError):
+        return False
+    return isinstance(outputs, (list, tuple)) and len(outputs) == 1
 
 
 def build_compiled_state(model, element_spec) -> None:
     """Create the variables of ``model``'s compiled loss and metrics for batches like ``element_spec``."""
     build = getattr(model, "_symbolic_build", None)
     if build is not None:
-        build(data_batch=element_spec)
+        if not _builds_no_variable(model):
+            build(data_batch=element_spec)
         return
     warn_once("_symbolic_build", "keras models have no _symbolic_build: compiled metrics are built on a zero batch")
     batch = tf.nest.map_structure(

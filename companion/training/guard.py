@@ -57,7 +57,7 @@ import numpy as np
 import tensorflow as tf
 
 from companion import _tf_internals
-from companion._gradients import global_norm, nonfinite_counts, scale_gradient
+from companion._gradients import global_norm, gradient_values, scale_gradient
 from companion.diagnostics import GradientRecord, GradientReport
 from companion.diagnostics.hooks import diagnose_skipped_step
 from companion.training.results import NonFiniteError, SkippedStep, TrainingHistory
@@ -233,10 +233,11 @@ class GuardedStep:
                 except (RuntimeError, NotImplementedError):
                     pass
         self.state = state = self._state()
-        saved = [_read(v) for v in state] if self.replicas == 1 else [tf.identity(tf.convert_to_tensor(v)) for v in state]
-        written = tf.convert_to_tensor(self.written)
-        consecutive = tf.convert_to_tensor(self.consecutive)
-        halted = consecutive >= self.limit
+        one = self.replicas == 1
+        saved = [_read(v) for v in state] if one else [tf.identity(tf.convert_to_tensor(v)) for v in state]
+        written = _read(self.written) if one else tf.convert_to_tensor(self.written)
+        consecutive = _read(self.consecutive) if one else tf.convert_to_tensor(self.consecutive)
+        halted = tf.raw_ops.GreaterEqual(x=consecutive, y=tf.constant(self.limit, tf.int32))
         slot.active, slot.loss, slot.multiplier_fn, slot.record, slot.halted = True, None, None, None, halted
         slot.late, slot.grads, slot.norms = [], {}, []
         try:
@@ -246,27 +247,63 @@ class GuardedStep:
         record = slot.record
         loss = self._global_loss(slot) if slot.loss is not None else self._logged_loss(logs)
         if record is None:  # the model's optimizer applied nothing (another one may have)
-            applied = tf.logical_not(halted)
+            applied = tf.raw_ops.LogicalNot(x=halted)
             record = (loss, tf.constant(0.0), applied, self._scale(), None)
         _, norm, applied, scale, _ = record
         if slot.norms:
-            norm = tf.sqrt(tf.add_n([tf.square(tf.cast(n, tf.float32)) for n in [norm, *slot.norms]]))
+            norm = tf.raw_ops.Sqrt(x=tf.raw_ops.AddN(inputs=[tf.raw_ops.Square(x=tf.cast(n, tf.float32))
+                                                             for n in [norm, *slot.norms]]))
         restored = [*zip(state, saved), *slot.late]
-        if self.guard:
-            checks = [applied, tf.math.is_finite(loss), tf.math.is_finite(norm), _all_finite(_float_values(logs))]
-            if self.replicas == 1:
-                now = [_read(v) for v, _ in restored]
-                checks.append(_all_finite(now))
-            else:
-                # The same decision on every replica and worker (the update's own test
-                # is taken on summed gradients already).
-                context = tf.distribute.get_replica_context()
-                bad = tf.cast(tf.logical_not(tf.reduce_all(tf.stack(checks[1:]))), tf.float32)
-                checks[1:] = [context.all_reduce(tf.distribute.ReduceOp.SUM, bad) < 0.5]
-            applied = tf.reduce_all(tf.stack(checks))
-        self._put_back(restored, applied, now if self.guard and self.replicas == 1 else None)
+        now = None
+        if self.guard and one:
+            # One test for the whole step: its loss, its gradients' norm, every float it
+            # logs and every variable it may have written.
+            now = [_read(v) for v, _ in restored]
+            applied = tf.raw_ops.LogicalAnd(x=applied, y=_all_finite([loss, norm, *_float_values(logs), *now]))
+        elif self.guard:
+            # The same decision on every replica and worker (the update's own test is
+            # taken on summed gradients already).
+            checks = [tf.math.is_finite(loss), tf.math.is_finite(norm), _all_finite(_float_values(logs))]
+            context = tf.distribute.get_replica_context()
+            bad = tf.cast(tf.logical_not(tf.reduce_all(tf.stack(checks))), tf.float32)
+            applied = tf.logical_and(applied, context.all_reduce(tf.distribute.ReduceOp.SUM, bad) < 0.5)
+        self._put_back(restored, applied, now)
         counts = self._counts(slot) if self.guard and self.variables else None
         row = tf.stack([tf.cast(loss, tf.float32), tf.cast(norm, tf.float32), tf.cast(applied, tf.float32), scale])
+        if one:
+            self._record_raw(row, counts, written, consecutive, halted, applied)
+        else:
+            self._record(row, counts, written, consecutive, halted, applied)
+        if isinstance(logs, dict):
+            # Re-read after the restore: a skipped step leaves no trace in the logs.
+            fresh = self.model.get_metrics_result()
+            if set(fresh) == set(logs):
+                logs = fresh
+            elif self.guard and one:
+                logs = self._last_good_logs(logs, applied)
+        return self._per_worker_logs(logs)
+
+    def _record_raw(self, row, counts, written, consecutive, halted, applied) -> None:
+        """The step's row of records, on one replica: raw writes, and no conditional but
+        the counts' (a halted step's row lands past the last one :meth:`drain` reads)."""
+        index = tf.reshape(tf.minimum(written, self.capacity - 1), [1, 1])
+        tf.raw_ops.ResourceScatterNdUpdate(ref=self.records.handle, indices=index, updates=tf.reshape(row, [1, 4]))
+        if counts is not None and self.counts.shape[-1] == len(self.variables):
+
+            def write_counts():
+                tf.raw_ops.ResourceScatterNdUpdate(
+                    ref=self.counts.handle, indices=index, updates=tf.expand_dims(counts(), 0))
+                return tf.constant(0)
+
+            tf.cond(applied, lambda: tf.constant(0), write_counts)
+        running = tf.cast(tf.raw_ops.LogicalNot(x=halted), tf.int32)
+        tf.raw_ops.AssignVariableOp(resource=self.written.handle, value=written + running)
+        following = tf.raw_ops.SelectV2(condition=applied, t=tf.zeros_like(consecutive), e=consecutive + running)
+        tf.raw_ops.AssignVariableOp(resource=self.consecutive.handle, value=following)
+
+    def _record(self, row, counts, written, consecutive, halted, applied) -> None:
+        """The step's row of records, under several replicas (Keras' assigns: the buffer
+        is a sync-on-read variable there)."""
 
         def write():
             index = tf.minimum(written, self.capacity - 1)
@@ -285,38 +322,21 @@ class GuardedStep:
             return tf.constant(0)
 
         tf.cond(halted, lambda: tf.constant(0), write)
-        if isinstance(logs, dict):
-            # Re-read after the restore: a skipped step leaves no trace in the logs.
-            fresh = self.model.get_metrics_result()
-            if set(fresh) == set(logs):
-                logs = fresh
-            elif self.guard and self.replicas == 1:
-                logs = self._last_good_logs(logs, applied)
-        return self._per_worker_logs(logs)
 
     def _put_back(self, restored, applied, now=None) -> None:
         """Every variable of ``restored`` to its value before the step, unless ``applied``.
 
-        Under XLA as one select per variable, which XLA fuses into the step's element-wise
-        work (a conditional there makes XLA copy every variable); without XLA under a
-        conditional, so that a clean step writes nothing more. On one replica with raw
-        reads and writes of the variables' handles (``now``: their values after the
-        step), which cost a fraction of Keras' ``assign`` to trace.
+        On one replica as one select per variable on raw reads and writes of the
+        variables' handles (``now``: their values after the step): XLA fuses the selects
+        into the step's element-wise work, and without XLA a select costs less to trace
+        and to run than a conditional with every variable as its input. Under several
+        replicas with Keras' ``assign``.
         """
         if not restored:
             return
-        if self.replicas > 1:
+        if now is None:
             for variable, value in restored:
                 variable.assign(tf.where(applied, tf.convert_to_tensor(variable), value))
-            return
-        if not self.model.jit_compile:
-
-            def put_back():
-                for (variable, value) in restored:
-                    tf.raw_ops.AssignVariableOp(resource=variable.handle, value=value)
-                return tf.constant(0)
-
-            tf.cond(applied, lambda: tf.constant(0), put_back)
             return
         for (variable, value), new in zip(restored, now):
             tf.raw_ops.AssignVariableOp(resource=variable.handle, value=tf.raw_ops.SelectV2(
@@ -356,8 +376,20 @@ class GuardedStep:
         grads = dict(slot.grads)
 
         def counts():
-            nan, inf = nonfinite_counts([grads.get(id(v)) for v in self.variables])
-            return tf.stack([nan, inf])
+            """NaN and Inf counts per trainable variable's gradient, ``[2, n]`` (raw ops)."""
+            nan, inf = [], []
+            zero = tf.constant(0, tf.int64)
+            for v in self.variables:
+                g = grads.get(id(v))
+                if g is None:
+                    nan.append(zero)
+                    inf.append(zero)
+                    continue
+                g = tf.convert_to_tensor(gradient_values(g))
+                axis = _axes(g)
+                nan.append(tf.raw_ops.Sum(input=tf.raw_ops.Cast(x=tf.raw_ops.IsNan(x=g), DstT=tf.int64), axis=axis))
+                inf.append(tf.raw_ops.Sum(input=tf.raw_ops.Cast(x=tf.raw_ops.IsInf(x=g), DstT=tf.int64), axis=axis))
+            return tf.raw_ops.Pack(values=[tf.raw_ops.Pack(values=nan), tf.raw_ops.Pack(values=inf)])
 
         return counts
 
@@ -472,11 +504,11 @@ class GuardedStep:
             for i, g in zip(present, reduced):
                 summed[i] = g
         norm = global_norm(summed) / multiplier
-        if self.guard:
+        if self.guard and not self.masked:
             finite = tf.logical_and(tf.math.is_finite(loss), tf.math.is_finite(norm))
-        else:
-            finite = tf.constant(True)
-        applied = tf.logical_and(finite, tf.logical_not(slot.halted))
+            applied = tf.logical_and(finite, tf.logical_not(slot.halted))
+        else:  # masked: the step's end tests the loss, the norm and what the step wrote
+            applied = tf.raw_ops.LogicalNot(x=slot.halted)
         update = summed if self.presummed else grads
         if self.clip is not None:
             factor = tf.minimum(self.clip / tf.maximum(norm, 1e-30), 1.0)
@@ -621,17 +653,38 @@ def _read(variable) -> tf.Tensor:
     return tf.raw_ops.ReadVariableOp(resource=variable.handle, dtype=tf.as_dtype(variable.dtype))
 
 
+def _axes(value):
+    """Every axis of ``value``: a constant shared by the tensors of one rank in one graph
+    (one ``Const`` op instead of one per reduction)."""
+    rank = value.shape.rank
+    if rank is None:
+        return tf.range(tf.rank(value))
+    graph = tf.compat.v1.get_default_graph()
+    shared = _AXES.setdefault(graph, {})
+    if rank not in shared:
+        shared[rank] = tf.constant(list(range(rank)), tf.int32)
+    return shared[rank]
+
+
+#: Per graph being traced: the axes constant of each rank (see :func:`_axes`).
+_AXES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
 def _all_finite(values) -> tf.Tensor:
-    """Whether every entry of every floating tensor or variable of ``values`` is finite."""
+    """Whether every entry of every floating tensor or variable of ``values`` is finite
+    (raw ops: a test per tensor, and one for them all)."""
     flags = []
     for value in values:
         value = tf.convert_to_tensor(value)
-        if value.dtype.is_floating:
-            axes = list(range(value.shape.rank)) if value.shape.rank is not None else tf.range(tf.rank(value))
-            flags.append(tf.raw_ops.All(input=tf.raw_ops.IsFinite(x=value), axis=axes))
+        if not value.dtype.is_floating:
+            continue
+        flag = tf.raw_ops.IsFinite(x=value)
+        if value.shape.rank != 0:
+            flag = tf.raw_ops.All(input=flag, axis=_axes(value))
+        flags.append(flag)
     if not flags:
         return tf.constant(True)
-    return flags[0] if len(flags) == 1 else tf.raw_ops.All(input=tf.stack(flags), axis=0)
+    return flags[0] if len(flags) == 1 else tf.raw_ops.All(input=tf.raw_ops.Pack(values=flags), axis=0)
 
 
 #: Per model: what train learnt about it (an optimizer whose update cannot be masked),
