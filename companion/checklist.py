@@ -126,8 +126,8 @@ def load_reports(path: str | pathlib.Path | None = None) -> tuple[Report, ...]:
         The reports, in the file's order.
 
     Raises:
-        ValueError: if a row's pattern is not a key of :data:`PATTERNS`, or a URL
-            appears twice.
+        ValueError: if a row has more or fewer fields than :class:`Report`, its pattern
+            is not a key of :data:`PATTERNS`, or a URL appears twice.
 
     Example:
         >>> reports = load_reports()
@@ -136,8 +136,17 @@ def load_reports(path: str | pathlib.Path | None = None) -> tuple[Report, ...]:
         >>> sorted({r.kind for r in reports})
         ['blog', 'forum', 'issue', 'qa']
     """
+    fields = [field.name for field in dataclasses.fields(Report)]
     with open(path or SURVEY_FILE, newline="", encoding="utf-8") as file:
-        reports = tuple(Report(**row) for row in csv.DictReader(file))
+        rows = list(csv.DictReader(file))
+    for line, row in enumerate(rows, 2):
+        if None in row or None in row.values():
+            count = len(fields) + len(row.get(None, ())) - sum(v is None for v in row.values())
+            raise ValueError(
+                f"{path or SURVEY_FILE}: line {line} has {count} fields; expected {len(fields)} ({', '.join(fields)}); "
+                "a comma in the summary?"
+            )
+    reports = tuple(Report(**row) for row in rows)
     seen = set()
     for report in reports:
         if report.pattern not in PATTERNS:

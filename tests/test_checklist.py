@@ -85,7 +85,7 @@ def test_each_recurring_pattern_added_with_the_survey_has_reports_and_a_case(rep
 def test_a_label_outside_the_classes_raises_on_cpu_where_the_gpu_returns_nan():
     # The label_out_of_range reports: on GPU the op returns NaN for such a label; on CPU
     # it raises, which is how the checklist's table finds it.
-    with tf.device("/CPU:0"), pytest.raises(tf.errors.InvalidArgumentError, match="label"):
+    with tf.device("/CPU:0"), pytest.raises(tf.errors.InvalidArgumentError, match=r"\[0, 2\)"):
         tf.nn.sparse_softmax_cross_entropy_with_logits(labels=[2], logits=[[0.0, 1.0]])
     fine = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=[1], logits=[[0.0, 1.0]])
     assert np.isfinite(fine.numpy()).all()
@@ -106,12 +106,20 @@ def test_pattern_counts_agree_with_cause_counts(reports):
     assert by_cause == dict(checklist.cause_counts(reports))
 
 
-def test_load_reports_rejects_an_unknown_pattern_and_a_duplicate(tmp_path):
+def test_load_reports_rejects_an_unknown_pattern_a_wrong_field_count_and_a_duplicate(tmp_path):
     header = "url,framework,kind,pattern,cause,basis,summary\n"
     bad = tmp_path / "bad.csv"
     bad.write_text(header + "https://x.org/1,tensorflow,issue,nonsense,overflow,stated,s\n")
     with pytest.raises(ValueError, match="unknown pattern"):
         load_reports(bad)
+    comma = tmp_path / "comma.csv"
+    comma.write_text(header + "https://x.org/1,tensorflow,issue,data,nonfinite_input,stated,a, b\n")
+    with pytest.raises(ValueError, match="line 2 has 8 fields"):
+        load_reports(comma)
+    short = tmp_path / "short.csv"
+    short.write_text(header + "https://x.org/1,tensorflow,issue,data,nonfinite_input,stated\n")
+    with pytest.raises(ValueError, match="line 2 has 6 fields; expected 7"):
+        load_reports(short)
     twice = tmp_path / "twice.csv"
     row = "https://x.org/1,tensorflow,issue,data,nonfinite_input,stated,s\n"
     twice.write_text(header + row + row)
