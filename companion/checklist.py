@@ -60,25 +60,30 @@ SURVEY_FILE = pathlib.Path(__file__).parent / "data" / "nan_reports.csv"
 PATTERNS: dict[str, str] = {
     "norm_at_zero": "the norm of a zero vector",
     "sqrt_at_zero": "sqrt at 0",
+    "sqrt_of_negative": "sqrt of a negative value (a variance below 0)",
     "pow_below_one": "x^p with p < 1 at 0",
     "acos_asin": "acos/asin at ±1 (or past it)",
     "atan2_angle": "atan2 and angle at 0",
     "crossentropy_probabilities": "cross-entropy on probabilities",
     "log_of_negative": "log of a negative value",
+    "log_at_zero": "log of an exact 0 (not a probability)",
     "reduce_std": "reduce_std of a constant",
+    "single_sample_variance": "the unbiased variance of one sample",
     "zero_variance_norm": "zero-variance normalisation",
     "cosine_zero_vector": "cosine similarity of a zero vector",
     "learning_rate": "a learning rate that is too large",
-    "softplus_logsigmoid": "softplus/log-sigmoid/logcosh overflow",
+    "softplus_logsigmoid": "softmax/softplus/log-sigmoid/logcosh overflow",
+    "exp_overflow": "exp of a large value",
     "where_trap": "the tf.where trap",
     "pow_negative_base": "a power of a negative base",
     "float16_range": "float16 range (mixed precision)",
     "attention_mask": "an attention mask of ±inf or -1e9",
     "inf_logits": "an infinite logit",
-    "svd_degenerate": "SVD with equal singular values",
+    "svd_degenerate": "SVD or eigh with equal values",
     "division": "a division by zero",
-    "lgamma_pole": "lgamma at a pole",
+    "lgamma_pole": "lgamma or digamma at a pole",
     "data": "NaN in the data",
+    "label_out_of_range": "a class label outside [0, num_classes)",
     "compiled_only": "only in compiled code",
     "unresolved": "not resolved in the thread",
 }
@@ -121,18 +126,27 @@ def load_reports(path: str | pathlib.Path | None = None) -> tuple[Report, ...]:
         The reports, in the file's order.
 
     Raises:
-        ValueError: if a row's pattern is not a key of :data:`PATTERNS`, or a URL
-            appears twice.
+        ValueError: if a row has more or fewer fields than :class:`Report`, its pattern
+            is not a key of :data:`PATTERNS`, or a URL appears twice.
 
     Example:
         >>> reports = load_reports()
-        >>> len(reports) >= 30
+        >>> len(reports) >= 150
         True
         >>> sorted({r.kind for r in reports})
         ['blog', 'forum', 'issue', 'qa']
     """
+    fields = [field.name for field in dataclasses.fields(Report)]
     with open(path or SURVEY_FILE, newline="", encoding="utf-8") as file:
-        reports = tuple(Report(**row) for row in csv.DictReader(file))
+        rows = list(csv.DictReader(file))
+    for line, row in enumerate(rows, 2):
+        if None in row or None in row.values():
+            count = len(fields) + len(row.get(None, ())) - sum(v is None for v in row.values())
+            raise ValueError(
+                f"{path or SURVEY_FILE}: line {line} has {count} fields; expected {len(fields)} ({', '.join(fields)}); "
+                "a comma in the summary?"
+            )
+    reports = tuple(Report(**row) for row in rows)
     seen = set()
     for report in reports:
         if report.pattern not in PATTERNS:
@@ -160,7 +174,7 @@ def cause_counts(reports, frameworks: tuple[str, ...] | None = None) -> list[tup
 
     Example:
         >>> cause_counts([r for r in load_reports() if r.pattern == "where_trap"])
-        [('where_trap', 6)]
+        [('where_trap', 11)]
     """
     counter = collections.Counter(r.cause for r in _tensorflow_only(reports, frameworks))
     return sorted(counter.items(), key=lambda item: (-item[1], item[0]))
@@ -179,7 +193,7 @@ def pattern_counts(reports, frameworks: tuple[str, ...] | None = None) -> list[t
 
     Example:
         >>> pattern_counts([r for r in load_reports() if r.pattern == "learning_rate"])
-        [('learning_rate', 'divergence', 4)]
+        [('learning_rate', 'divergence', 8)]
     """
     counter = collections.Counter((r.pattern, r.cause) for r in _tensorflow_only(reports, frameworks))
     return sorted(((p, c, n) for (p, c), n in counter.items()), key=lambda item: (-item[2], item[0], item[1]))
@@ -286,6 +300,20 @@ def _standardized_first(v, eps: float = 0.0):
     return ((v - mean) / tf.sqrt(variance + eps))[0]
 
 
+def _squared_deviations(v):
+    return tf.reduce_sum(tf.square(v - tf.reduce_mean(v)))
+
+
+def _bessel_denominator(v):
+    # n - 1, Bessel's correction: 0 for a single sample.
+    return tf.cast(tf.size(v), v.dtype) - 1.0
+
+
+def _log_floor(v):
+    # The smallest normal number of the dtype: log of it is finite (-87.3 in float32).
+    return tf.math.log(tf.maximum(v, float(np.finfo(v.dtype.as_numpy_dtype).tiny)))
+
+
 _CASE_LIST = [
     Case("norm at 0", "norm_at_zero", "singular_derivative", (0.0, 0.0), tf.norm,
          "double_where", lambda v: double_where(_squared_norm(v) > 0, tf.sqrt, _squared_norm(v), 0.0)),
@@ -328,6 +356,15 @@ _CASE_LIST = [
          lambda x: tf.reduce_sum(double_where(x > 0, tf.math.log, x, 0.0))),
     Case("(-8) ** (1/3)", "pow_negative_base", "pow_negative_base", (-8.0,), lambda x: tf.reduce_sum(tf.pow(x, 1 / 3)),
          "signed_pow", lambda x: tf.reduce_sum(signed_pow(x, 1 / 3))),
+    Case("log at 0", "log_at_zero", "log_of_zero", (0.0, 1.0), lambda x: tf.reduce_sum(tf.math.log(x)),
+         "log(max(x, tiny))", lambda x: tf.reduce_sum(_log_floor(x))),
+    Case("sqrt of -1", "sqrt_of_negative", "domain_edge", (-1.0, 4.0), lambda x: tf.reduce_sum(tf.sqrt(x)),
+         "double_where at 0", lambda x: tf.reduce_sum(double_where(x > 0, tf.sqrt, x, 0.0))),
+    Case("exp(100)", "exp_overflow", "overflow", (100.0,), lambda x: tf.reduce_sum(tf.exp(x)),
+         "clip the exponent", lambda x: tf.reduce_sum(tf.exp(tf.minimum(x, 80.0)))),
+    Case("unbiased variance of (3)", "single_sample_variance", "division_by_zero", (3.0,),
+         lambda v: _squared_deviations(v) / _bessel_denominator(v), "tf.math.divide_no_nan",
+         lambda v: tf.math.divide_no_nan(_squared_deviations(v), _bessel_denominator(v))),
 ]
 
 #: The checklist's cases by name, in the order the chapter shows them.

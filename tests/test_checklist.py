@@ -36,8 +36,8 @@ def reports():
     return load_reports()
 
 
-def test_survey_has_at_least_30_distinct_public_reports_each_with_a_url(reports):
-    assert len(reports) >= 30
+def test_survey_has_at_least_150_distinct_public_reports_each_with_a_url(reports):
+    assert len(reports) >= 150
     assert len({r.url for r in reports}) == len(reports)
     for report in reports:
         assert re.match(r"https?://[\w.-]+/\S+$", report.url), report.url
@@ -70,8 +70,25 @@ def test_survey_covers_every_row_the_issue_asks_for(reports):
         "where_trap",
         "pow_negative_base",
         "float16_range",
+        "label_out_of_range",
     ]:
         assert wanted in patterns, wanted
+
+
+@pytest.mark.parametrize("pattern", ["log_at_zero", "sqrt_of_negative", "exp_overflow", "single_sample_variance"])
+def test_each_recurring_pattern_added_with_the_survey_has_reports_and_a_case(reports, pattern):
+    assert pattern in PATTERNS
+    assert sum(r.pattern == pattern for r in reports) >= 3, "a row of the checklist is for a recurring cause"
+    assert [case.pattern for case in CASES.values()].count(pattern) == 1
+
+
+def test_a_label_outside_the_classes_raises_on_cpu_where_the_gpu_returns_nan():
+    # The label_out_of_range reports: on GPU the op returns NaN for such a label; on CPU
+    # it raises, which is how the checklist's table finds it.
+    with tf.device("/CPU:0"), pytest.raises(tf.errors.InvalidArgumentError, match=r"\[0, 2\)"):
+        tf.nn.sparse_softmax_cross_entropy_with_logits(labels=[2], logits=[[0.0, 1.0]])
+    fine = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=[1], logits=[[0.0, 1.0]])
+    assert np.isfinite(fine.numpy()).all()
 
 
 def test_cause_counts_add_up_and_are_sorted(reports):
@@ -89,12 +106,20 @@ def test_pattern_counts_agree_with_cause_counts(reports):
     assert by_cause == dict(checklist.cause_counts(reports))
 
 
-def test_load_reports_rejects_an_unknown_pattern_and_a_duplicate(tmp_path):
+def test_load_reports_rejects_an_unknown_pattern_a_wrong_field_count_and_a_duplicate(tmp_path):
     header = "url,framework,kind,pattern,cause,basis,summary\n"
     bad = tmp_path / "bad.csv"
     bad.write_text(header + "https://x.org/1,tensorflow,issue,nonsense,overflow,stated,s\n")
     with pytest.raises(ValueError, match="unknown pattern"):
         load_reports(bad)
+    comma = tmp_path / "comma.csv"
+    comma.write_text(header + "https://x.org/1,tensorflow,issue,data,nonfinite_input,stated,a, b\n")
+    with pytest.raises(ValueError, match="line 2 has 8 fields"):
+        load_reports(comma)
+    short = tmp_path / "short.csv"
+    short.write_text(header + "https://x.org/1,tensorflow,issue,data,nonfinite_input,stated\n")
+    with pytest.raises(ValueError, match="line 2 has 6 fields; expected 7"):
+        load_reports(short)
     twice = tmp_path / "twice.csv"
     row = "https://x.org/1,tensorflow,issue,data,nonfinite_input,stated,s\n"
     twice.write_text(header + row + row)
@@ -150,6 +175,10 @@ def test_fix_agrees_with_the_naive_form_away_from_the_bad_point(name):
         point = np.array([8.0], np.float32)
     if case.pattern == "zero_variance_norm":
         point = np.array([1.0, 4.0, 10.0], np.float32)  # variance 14: the epsilon 1e-3 is lost in it
+    if case.pattern == "sqrt_of_negative":
+        point = np.abs(point)  # the shifted point is still negative
+    if case.pattern == "single_sample_variance":
+        point = np.array([1.0, 4.0, 10.0], np.float32)  # three samples: n - 1 = 2
     x = tf.constant(point)
     with tf.GradientTape(persistent=True) as tape:
         tape.watch(x)
