@@ -150,7 +150,7 @@ MIRRORED_SCRIPT = textwrap.dedent(
         result["outside_error"] = str(error)
 
     # A train_step with an optimizer of its own (a GAN's) is refused before any step:
-    # under several replicas the guard could not put back what that optimizer writes.
+    # under several replicas that optimizer's merge calls do not trace with the guard's.
     class OwnOptimizer(keras.Model):
         def __init__(self):
             super().__init__()
