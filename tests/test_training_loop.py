@@ -90,16 +90,21 @@ def _conditional_update_optimizer():
 
 
 @pytest.mark.parametrize(
-    "width, make_optimizer, update",
+    "width, make_optimizer, update, xla",
     [
-        (8, lambda: keras.optimizers.Adam(0.05), "masked"),
-        (8, _conditional_update_optimizer, "masked"),
+        (8, lambda: keras.optimizers.Adam(0.05), "masked", True),
+        (8, _conditional_update_optimizer, "masked", True),
         # A large model takes the same way.
-        (1024, _conditional_update_optimizer, "masked"),
+        (1024, _conditional_update_optimizer, "masked", True),
+        # Without XLA a small state is put back by selects, a large one (over
+        # guard.SELECT_LIMIT entries) under a conditional: both leave nothing behind.
+        (8, lambda: keras.optimizers.Adam(0.05), "masked", False),
+        (1024, lambda: keras.optimizers.Adam(0.05), "masked", False),
     ],
-    ids=["masked", "conditional-update-small-model", "conditional-update-large-model"],
+    ids=["masked", "conditional-update-small-model", "conditional-update-large-model",
+         "small-model-without-xla", "large-model-without-xla"],
 )
-def test_skipped_step_leaves_weights_and_optimizer_state_unchanged(width, make_optimizer, update):
+def test_skipped_step_leaves_weights_and_optimizer_state_unchanged(width, make_optimizer, update, xla):
     # "masked": on one replica the step runs, and its end selects, for every variable
     # of the model and its optimizers, between the new and the old value (fused by XLA),
     # whatever the optimizer's update holds (here a conditional of its own).
@@ -115,16 +120,16 @@ def test_skipped_step_leaves_weights_and_optimizer_state_unchanged(width, make_o
     data = make_dataset(poisoned=[1], n_batches=2)
     # Under XLA (train's default, jit_compile="auto", turns it on only where a GPU is):
     # the select is fused; test_every_keras_optimizer... covers the step without XLA.
-    history = train(poisoned_model, data, loss="mse", optimizer=poisoned_opt, verbose=0, jit_compile=True)
-    train(clean_model, data.take(1), loss="mse", optimizer=clean_opt, verbose=0, jit_compile=True)
+    history = train(poisoned_model, data, loss="mse", optimizer=poisoned_opt, verbose=0, jit_compile=xla)
+    train(clean_model, data.take(1), loss="mse", optimizer=clean_opt, verbose=0, jit_compile=xla)
 
     assert history.update == update
-    assert history.skipped == [1] and history.xla
+    assert history.skipped == [1] and history.xla == xla
     assert int(poisoned_opt.iterations) == 1
     # Weights, batch-norm statistics (restored after the NaN forward pass), Adam state.
     assert_bit_identical(state_of(poisoned_model, poisoned_opt), state_of(clean_model, clean_opt))
     # A second call takes the same way.
-    again = train(poisoned_model, data, loss="mse", optimizer=poisoned_opt, verbose=0, jit_compile=True)
+    again = train(poisoned_model, data, loss="mse", optimizer=poisoned_opt, verbose=0, jit_compile=xla)
     assert again.update == update
 
 

@@ -64,6 +64,11 @@ from companion.training.results import NonFiniteError, SkippedStep, TrainingHist
 
 #: A dynamic loss scale at or below this value no longer amplifies the gradients.
 STALLED_LOSS_SCALE = 1.0
+#: Without XLA, a state (the variables a step may write) of more entries than this is put
+#: back under a conditional, a smaller one by selects (see ``GuardedStep._put_back``): at
+#: about a nanosecond per entry and step, the selects of 2**16 entries cost what the
+#: conditional's trace does over a thousand steps.
+SELECT_LIMIT = 2**16
 #: Columns of a step record.
 _LOSS, _NORM, _APPLIED, _SCALE = range(4)
 
@@ -318,19 +323,32 @@ class GuardedStep:
     def _put_back(self, restored, applied, now=None) -> None:
         """Every variable of ``restored`` to its value before the step, unless ``applied``.
 
-        One select per variable on raw reads and writes of the variables' handles
-        (``now``: their values after the step; under several replicas each replica's
-        handle is its own copy's, and the decision is the same on every replica): XLA
-        fuses the selects into the step's element-wise work, and without XLA a select
-        costs less to trace and to run than a conditional with every variable as its
-        input. Unguarded (``now`` is ``None``), only an optimizer built during the step
-        is put back, with Keras' ``assign``.
+        Raw reads and writes of the variables' handles (``now``: their values after the
+        step; under several replicas each replica's handle is its own copy's, and the
+        decision is the same on every replica). Under XLA, and without it for a small
+        state, one select per variable: XLA fuses the selects into the step's
+        element-wise work, and a small model's selects cost less to trace and to run
+        than a conditional with every variable as its input. Without XLA, a state of
+        more than :data:`SELECT_LIMIT` entries is put back under a conditional instead:
+        there the selects, a pass over every weight and moment at every step, would
+        cost more than the conditional's one trace. Unguarded (``now`` is ``None``),
+        only an optimizer built during the step is put back, with Keras' ``assign``.
         """
         if not restored:
             return
         if now is None:
             for variable, value in restored:
                 variable.assign(tf.where(applied, tf.convert_to_tensor(variable), value))
+            return
+        entries = sum(v.shape.num_elements() or SELECT_LIMIT for v in now)
+        if not self.model.jit_compile and entries > SELECT_LIMIT:
+
+            def put_back():
+                for variable, value in restored:
+                    tf.raw_ops.AssignVariableOp(resource=variable.handle, value=value)
+                return tf.constant(0)
+
+            tf.cond(applied, lambda: tf.constant(0), put_back)
             return
         for (variable, value), new in zip(restored, now):
             tf.raw_ops.AssignVariableOp(resource=variable.handle, value=tf.raw_ops.SelectV2(
