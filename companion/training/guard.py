@@ -257,7 +257,7 @@ class GuardedStep:
             # One test for the whole step: its loss, its gradients' norm, every float it
             # logs and every variable it may have written (each replica its own copy).
             now = [_read(v) for v, _ in restored]
-            finite = _all_finite([loss, norm, *_float_values(logs), *now])
+            finite = _all_finite([loss, norm, *_float_values(logs), *now], flatten=_entries(now) <= SELECT_LIMIT)
             if not one:
                 # The same decision on every replica and worker.
                 context = tf.distribute.get_replica_context()
@@ -340,8 +340,7 @@ class GuardedStep:
             for variable, value in restored:
                 variable.assign(tf.where(applied, tf.convert_to_tensor(variable), value))
             return
-        entries = sum(v.shape.num_elements() or SELECT_LIMIT for v in now)
-        if not self.model.jit_compile and entries > SELECT_LIMIT:
+        if not self.model.jit_compile and _entries(now) > SELECT_LIMIT:
 
             def put_back():
                 for variable, value in restored:
@@ -678,14 +677,32 @@ def _axes(value):
     return shared[rank]
 
 
+#: The shape of a flattened tensor.
+_FLAT = np.array([-1], np.int32)
 #: Per graph being traced: the axes constant of each rank (see :func:`_axes`).
 _AXES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
-def _all_finite(values) -> tf.Tensor:
+def _entries(values) -> int:
+    """How many entries ``values`` hold (an unknown shape counts as more than
+    :data:`SELECT_LIMIT`)."""
+    return sum(v.shape.num_elements() if v.shape.num_elements() is not None else SELECT_LIMIT + 1 for v in values)
+
+
+def _all_finite(values, flatten: bool = False) -> tf.Tensor:
     """Whether every entry of every floating tensor or variable of ``values`` is finite
-    (raw ops: a test per tensor, and one for them all)."""
+    (raw ops: a test per tensor, and one for them all). With ``flatten``, the tensors of
+    each dtype are concatenated and tested at once: fewer ops to trace and to run, for
+    tensors small enough that the copy costs less than the ops it saves."""
     flags = []
+    if flatten:
+        groups: dict = {}
+        for value in values:
+            value = tf.convert_to_tensor(value)
+            if value.dtype.is_floating:
+                groups.setdefault(value.dtype, []).append(tf.raw_ops.Reshape(tensor=value, shape=_FLAT))
+        values = [parts[0] if len(parts) == 1 else tf.raw_ops.ConcatV2(values=parts, axis=0)
+                  for parts in groups.values()]
     for value in values:
         value = tf.convert_to_tensor(value)
         if not value.dtype.is_floating:
