@@ -21,10 +21,14 @@ from companion._checks import as_float_tensor as _as_float_tensor
 _TILTED_MEAN_SWITCH = 4.0
 
 #: Series truncation budgets, as fractions of the dtype's eps (the ulp of 1). See
-#: `_tilted_mean_series_length`: each keeps the truncation error of the series below
-#: 1/16 ulp of the smallest value (or derivative) `tilted_mean` returns from the series.
+#: `_economized`: each keeps the truncation error of the polynomial below 1/16 ulp of the
+#: smallest value (or derivative) `tilted_mean` returns from it.
 _SERIES_VALUE_BUDGET = 1.0 / 64.0
 _SERIES_DERIVATIVE_BUDGET = 1.0 / 128.0
+
+#: Taylor terms economized into the polynomials (their remainder at |z| <= 2 is below
+#: 2 zeta(4) (2 / 2 pi)^(2 N) ~ 3e-24, negligible against either budget).
+_ECONOMIZED_TAYLOR_TERMS = 24
 
 
 def _bernoulli_numbers(count: int) -> list[Fraction]:
@@ -55,9 +59,9 @@ def _tilted_mean_series_length(eps: float, z_max: float) -> tuple[int, int]:
         |R'_K(z)| <= 2 zeta(4) |z|^(2K)   / (2 pi)^(2K+2) * ((2K+1)/(1-rho) + 2 rho/(1-rho)^2)
 
     K is the smallest count with |R_K| <= eps/64 (value) and |R'_K| <= eps/128
-    (derivative). `tilted_mean` uses the series halved for the value and quartered for the
-    derivative, where the smallest value is f(-4) = 0.231 (ulp eps/8) and the smallest
-    derivative is f'(4) = 0.0435 (ulp eps/32): both budgets are 1/16 ulp.
+    (derivative): (8, 10) in float32, (17, 19) in float64. `tilted_mean` no longer sums
+    the truncated series; this is the count its economized polynomials
+    (`_tilted_mean_coefficients`) are compared with, in the book and the tests.
     """
     zeta4 = math.pi**4 / 90.0
     two_pi = 2.0 * math.pi
@@ -75,21 +79,88 @@ def _tilted_mean_series_length(eps: float, z_max: float) -> tuple[int, int]:
     return k_value, k_derivative
 
 
+def _economized(taylor: list[Fraction], w_max: Fraction, budget: float) -> tuple[list[Fraction], Fraction]:
+    """Chebyshev economization of the power series sum_k taylor[k] w^k on [0, w_max].
+
+    Exact rational arithmetic: with w = (w_max / 2)(1 + s), s in [-1, 1], the polynomial is
+    rewritten in Chebyshev polynomials T_j(s) (s^k = 2^(1-k) sum_j binom(k, j) T_(k-2j)(s),
+    T_0 counted once), and the terms from the first whose dropped coefficients sum to at
+    most `budget` onwards are dropped: |T_j| <= 1 on [-1, 1], so that sum bounds the
+    error. The kept terms go back to powers of w. Returns the coefficients (lowest power
+    first) and the bound.
+
+    On [0, 4] the Chebyshev coefficients of these functions fall by a factor of about 41
+    per term (the poles at w = -4 pi^2, Bernstein's ellipse), the Taylor coefficients by
+    about 10: the economized polynomial needs 5 or 6 terms where the truncated Taylor
+    series needs 8 or 10 (float32), 11 or 12 where it needs 17 or 19 (float64).
+    """
+    n = len(taylor)
+    half = w_max / 2
+    in_s = [Fraction(0)] * n  # the series in s: sum_k taylor[k] half^k (1 + s)^k
+    for k, a in enumerate(taylor):
+        for j in range(k + 1):
+            in_s[j] += a * half**k * math.comb(k, j)
+    chebyshev = [Fraction(0)] * n
+    for k, a in enumerate(in_s):
+        for j in range(k // 2 + 1):
+            weight = Fraction(math.comb(k, j), 2 ** (k - 1)) if k else Fraction(1)
+            if k and k == 2 * j:
+                weight /= 2
+            chebyshev[k - 2 * j] += a * weight
+    terms = next(m for m in range(1, n + 1) if float(sum(map(abs, chebyshev[m:]))) <= budget)
+    bound = sum(map(abs, chebyshev[terms:]))
+    # Back to powers of s (T_0 = 1, T_1 = s, T_(j+1) = 2 s T_j - T_(j-1)), then of w.
+    in_s = [Fraction(0)] * terms
+    previous, current = [Fraction(1)], [Fraction(0), Fraction(1)]
+    for j, a in enumerate(chebyshev[:terms]):
+        polynomial = previous if j == 0 else current
+        for i, b in enumerate(polynomial):
+            in_s[i] += a * b
+        if j >= 1:
+            shifted = [Fraction(0)] + [2 * b for b in current]
+            previous, current = current, [b - (previous[i] if i < len(previous) else 0)
+                                          for i, b in enumerate(shifted)]
+    in_w = [Fraction(0)] * terms  # s = w / half - 1
+    for k, a in enumerate(in_s):
+        for j in range(k + 1):
+            in_w[j] += a * math.comb(k, j) * (-1) ** (k - j) / half**j
+    return in_w, bound
+
+
+@functools.lru_cache(maxsize=None)
+def _tilted_mean_polynomials(dtype_name: str) -> tuple[tuple[Fraction, ...], tuple[Fraction, ...], float, float]:
+    """The exact polynomials P and Q for a float32/float64 dtype, and their error bounds.
+
+    f(z) = 1/2 + z P(z^2) and f'(z) = Q(z^2) for |z| <= 2 (the halved argument of the
+    series branch), P and Q economized (`_economized`) from the Taylor series
+    P(w) = sum_k c_k w^(k-1), Q(w) = sum_k (2k-1) c_k w^(k-1), c_k = B_2k / (2k)!, with the
+    fewest terms whose error stays within the budgets: |z| |P - P_exact| <= eps/64 (so P
+    within eps/128) and |Q - Q_exact| <= eps/128, eps from the dtype.
+    """
+    eps = float(np.finfo(dtype_name).eps)
+    count = _ECONOMIZED_TAYLOR_TERMS
+    bernoulli = _bernoulli_numbers(2 * count + 3)
+    c = [bernoulli[2 * k] / math.factorial(2 * k) for k in range(1, count + 1)]
+    w_max = Fraction(_TILTED_MEAN_SWITCH / 2) ** 2
+    z_max = _TILTED_MEAN_SWITCH / 2
+    p, p_bound = _economized(c, w_max, _SERIES_VALUE_BUDGET * eps / z_max)
+    q, q_bound = _economized([(2 * k + 1) * c[k] for k in range(count)], w_max, _SERIES_DERIVATIVE_BUDGET * eps)
+    return tuple(p), tuple(q), float(p_bound * Fraction(z_max)), float(q_bound)
+
+
 @functools.lru_cache(maxsize=None)
 def _tilted_mean_coefficients(dtype_name: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Horner coefficients (highest power first) of P and Q, for a float32/float64 dtype.
 
-    f(z) = 1/2 + z P(z^2) with P(w) = sum_k c_k w^(k-1), and f'(z) = Q(z^2) with
-    Q(w) = sum_k (2k-1) c_k w^(k-1), c_k = B_2k / (2k)!. Both are truncated after the
-    number of terms `_tilted_mean_series_length` derives from the dtype's eps.
+    The exact economized polynomials of `_tilted_mean_polynomials`, rounded to float64
+    (and to the dtype where they are used). Their leading coefficients are the Taylor
+    coefficients 1/12, -1/720, 1/30240, ... (P) and 1/12, -3/720, 5/30240, ... (Q), each
+    moved a little to spread the error of the dropped terms over [0, 4]: by relative
+    amounts of 1e-8, 7e-6, 6e-4 for P in float32 (where fewer terms are kept), 2e-18, 7e-15,
+    3e-12 in float64.
     """
-    eps = float(np.finfo(dtype_name).eps)
-    k_value, k_derivative = _tilted_mean_series_length(eps, _TILTED_MEAN_SWITCH / 2.0)
-    bernoulli = _bernoulli_numbers(2 * max(k_value, k_derivative) + 1)
-    c = [bernoulli[2 * k] / math.factorial(2 * k) for k in range(1, max(k_value, k_derivative) + 1)]
-    value = tuple(float(c[k]) for k in reversed(range(k_value)))
-    derivative = tuple(float((2 * k + 1) * c[k]) for k in reversed(range(k_derivative)))
-    return value, derivative
+    p, q, _, _ = _tilted_mean_polynomials(dtype_name)
+    return tuple(float(a) for a in reversed(p)), tuple(float(a) for a in reversed(q))
 
 
 def _horner(w: tf.Tensor, coefficients: tuple[float, ...]) -> tf.Tensor:
@@ -107,9 +178,10 @@ def _estrin(w: tf.Tensor, coefficients: tuple[float, ...]) -> tf.Tensor:
     largest power of two below the number of terms, each half the same way, down to pairs
     a + b w. Horner's rule is one chain of 2(n-1) dependent operations; Estrin's is about
     2 log2(n) deep, so the CPU overlaps the work of neighbouring elements instead of waiting
-    on each product (the series is most of tilted_mean's arithmetic: in float64 17 and 19
-    terms). Either rounds about 2n operations once each; on this series, whose terms fall by
-    a factor of about 10 each, the error is that of the first terms either way.
+    on each product (the polynomials are most of tilted_mean's arithmetic: in float64 11
+    and 12 terms). Either rounds about 2n operations once each; on these polynomials, whose
+    terms fall by a factor of about 10 each, the error is that of the first terms either
+    way.
 
     Each join is written P_low - w^k (-P_high), with -P_high summed from the negated
     coefficients (bit for bit the negation, rounding being symmetric): a chain of adds
@@ -141,69 +213,76 @@ def _estrin(w: tf.Tensor, coefficients: tuple[float, ...]) -> tf.Tensor:
 def _series(w: tf.Tensor, coefficients: tuple[float, ...]) -> tf.Tensor:
     """The series polynomial at `w`: by Estrin's scheme in float64, by Horner's rule in float32.
 
-    The series is most of tilted_mean's arithmetic, evaluated for every element (both
-    branches are). In float64 (17 and 19 terms) Estrin's shorter chains make tilted_mean's
-    forward and backward pass about a tenth faster under XLA (0.88 and 0.90 times the time
-    with Horner's rule, medians of 81 side-by-side rounds on an AMD EPYC with AVX-512,
-    oneDNN off and on) and leave its accuracy as it was; in float32 (8 and 10
-    terms) they gain nothing measurable and raise the worst error on 3e6 random points
-    from 1.6 to 1.9 ulp (value) and 3.3 to 3.4 ulp (derivative), so float32 keeps Horner's.
+    The polynomials are most of tilted_mean's arithmetic, evaluated for every element
+    (both branches are). In float64 (11 and 12 terms) Estrin's shorter chains make
+    tilted_mean's forward and backward pass a little faster under XLA (0.95 and 0.98 times
+    the time with Horner's rule in two runs of 41 side-by-side rounds on an AMD EPYC with
+    AVX-512); in float32 (5 and 6 terms) Horner's rule is as fast, and rounds fewer
+    operations.
     """
     return _estrin(w, coefficients) if w.dtype == tf.float64 else _horner(w, coefficients)
 
 
 def _tilted_mean_pieces(x: tf.Tensor):
-    """What the value and the derivative share: branch mask, series argument, exponentials.
+    """What the value and the derivative share: branch mask, series argument, the one quotient.
 
     Each branch only ever sees inputs of its own region (the double-where of
-    `double_where`), so the autodiff of the derivative, i.e. the second derivative, is
-    finite everywhere too.
+    `double_where`): the series argument is clipped to |z| <= 2 and the closed form's t to
+    t >= 4, so the autodiff of the derivative, i.e. the second derivative, is finite
+    everywhere too.
+
+    One division serves both branches: r = c / (1 + c) = sigmoid(-|x|/2) with
+    c = e^(-|x|/2) where |x| <= 4, and r = e / (1 - e) = 1/expm1(|x|) with e = e^(-|x|)
+    beyond. Under XLA it is computed with the exponential in one loop and shared by the
+    value's and the gradient's loops, which add one division each (1/t and 1/t^2).
     """
     dtype = x.dtype
     switch = tf.constant(_TILTED_MEAN_SWITCH, dtype)
-    half = tf.constant(0.5, dtype)
-    zero = tf.zeros_like(x)
-    near = tf.abs(x) <= switch  # False for NaN: NaN takes the closed form and propagates.
-    c = tf.exp(-half * tf.abs(x))  # e^(-|x|/2) in [0, 1]: never overflows.
-    z = tf.where(near, half * x, zero)  # series argument, |z| <= switch / 2
-    x_far = tf.where(near, tf.fill(tf.shape(x), 2.0 * switch), x)
-    e_far = tf.square(tf.where(near, zero, c))  # e^(-|x|) in the closed-form region
-    # 1 wherever the closed form is used, as the numerator of 1/|x| and 1/x^2. A literal 1
-    # would let tf.function's constant folding turn 1/y into Reciprocal(y), which TF's
-    # CPU kernel computes approximately in float32 (1 ulp off even at powers of two,
-    # thousands of ulps where 1/y is near the smallest normal number).
-    one_far = tf.cast(tf.logical_not(near), dtype)
-    return near, c, z, x_far, e_far, one_far
+    t = tf.abs(x)
+    near = t <= switch  # False for NaN: NaN takes the closed form and propagates.
+    c = tf.exp(-0.5 * t)  # e^(-|x|/2) in [0, 1]: never overflows.
+    z = tf.clip_by_value(0.5 * x, -0.5 * switch, 0.5 * switch)  # = x/2 where |x| <= 4
+    # e^(-|x|) = c^2 in the closed-form region (0 elsewhere, so that 1 - e > 0). The
+    # select before the square also keeps XLA from rewriting c * c as a second exp.
+    e = tf.square(tf.where(near, tf.zeros_like(c), c))
+    r = tf.where(near, c, e) / tf.where(near, 1.0 + c, 1.0 - e)
+    # 1 wherever the closed form is used, as the numerator of 1/t. A literal 1 would let
+    # tf.function's constant folding turn 1/t into Reciprocal(t), which TF's CPU kernel
+    # computes approximately in float32 (1 ulp off even at powers of two, thousands of
+    # ulps where 1/t is near the smallest normal number).
+    one_far = tf.where(near, tf.zeros_like(x), tf.ones_like(x))
+    t_far = tf.maximum(t, switch)
+    return near, z, r, one_far, t_far
 
 
 def _tilted_mean_value(x: tf.Tensor) -> tf.Tensor:
-    near, c, z, x_far, e_far, one_far = _tilted_mean_pieces(x)
+    near, z, r, one_far, t = _tilted_mean_pieces(x)
     p, _ = _tilted_mean_coefficients(x.dtype.name)
-    # |x| <= 4: f(x) = (sigmoid(x/2) + f(x/2)) / 2 with f(x/2) = 1/2 + z P(z^2) from the
-    # series. Summed as (sigmoid + z P) + 1/2: the order tf.function's arithmetic optimizer
-    # gives any chain of adds, so eager and graph results are the same bits.
-    sigmoid = tf.where(x >= 0, tf.ones_like(c), c) / (1.0 + c)
+    # |x| <= 4: f(x) = (sigmoid(x/2) + f(x/2)) / 2 with f(x/2) = 1/2 + z P(z^2) and
+    # sigmoid(x/2) = 1 - r (x >= 0, where r <= 1/2) or r (x < 0). Summed as
+    # (sigmoid + z P) + 1/2: the order tf.function's arithmetic optimizer gives any chain
+    # of adds, so eager and graph results are the same bits.
+    sigmoid = tf.where(x >= 0, 1.0 - r, r)
     near_value = 0.5 * ((sigmoid + z * _series(z * z, p)) + 0.5)
-    # |x| > 4: f(-t) = 1/t - 1/expm1(t) and f(t) = 1 - f(-t), with t = |x|, where
-    # 1/expm1(t) = e^(-t) / (1 - e^(-t)).
-    small = one_far / tf.abs(x_far) - e_far / (1.0 - e_far)
-    far_value = tf.where(x_far > 0, 1.0 - small, small)
+    # |x| > 4: f(-t) = 1/t - 1/expm1(t) and f(t) = 1 - f(-t), with t = |x|.
+    small = one_far / t - r
+    far_value = tf.where(x > 0, 1.0 - small, small)
     return tf.where(near, near_value, far_value)
 
 
 def _tilted_mean_derivative(x: tf.Tensor) -> tf.Tensor:
-    near, c, z, x_far, e_far, one_far = _tilted_mean_pieces(x)
+    near, z, r, one_far, t = _tilted_mean_pieces(x)
     _, q = _tilted_mean_coefficients(x.dtype.name)
-    # |x| <= 4: f'(x) = (sigmoid'(x/2) + f'(x/2)) / 4, sigmoid'(x/2) = c / (1 + c)^2 and
-    # f'(x/2) = Q(z^2) = q_0 + z^2 Q_1(z^2), summed as (sigmoid' + z^2 Q_1) + q_0 (see above).
+    # |x| <= 4: f'(x) = (sigmoid'(x/2) + f'(x/2)) / 4, sigmoid'(x/2) = r (1 - r) (r <= 1/2,
+    # so 1 - r does not cancel) and f'(x/2) = Q(z^2) = q_0 + z^2 Q_1(z^2), summed as
+    # (sigmoid' + z^2 Q_1) + q_0 (see above).
     w = z * z
-    sigmoid_derivative = c / tf.square(1.0 + c)
-    near_derivative = 0.25 * ((sigmoid_derivative + w * _series(w, q[:-1])) + q[-1])
-    # |x| > 4: f'(x) = 1/x^2 - e^(-|x|) / (1 - e^(-|x|))^2. At +-inf, x is replaced by
-    # +-max (same f' = 0) so that the second derivative is 0, not 0 * inf. (Not sharing
-    # 1/expm1 with the value keeps XLA from writing it to memory between the two.)
-    x_far = tf.where(tf.math.is_inf(x_far), tf.sign(x_far) * x.dtype.max, x_far)
-    far_derivative = one_far / (x_far * x_far) - e_far / tf.square(1.0 - e_far)
+    near_derivative = 0.25 * ((r * (1.0 - r) + w * _series(w, q[:-1])) + q[-1])
+    # |x| > 4: f'(x) = 1/t^2 - r (1 + r). At t = inf, t is replaced by max (same f' = 0)
+    # so that the second derivative is 0, not 0 * inf. 1/(t t) rounds twice, as (1/t)^2
+    # would three times.
+    t = tf.minimum(t, x.dtype.max)
+    far_derivative = one_far / (t * t) - r * (1.0 + r)
     return tf.where(near, near_derivative, far_derivative)
 
 
@@ -217,29 +296,31 @@ def _tilted_mean_float(x: tf.Tensor):
 
 
 def tilted_mean_series_terms(dtype) -> tuple[int, int]:
-    """How many Taylor terms :func:`tilted_mean` sums for the value and for the derivative.
+    """How many polynomial terms :func:`tilted_mean` sums for the value and for the derivative.
 
     For abs(x) <= 4, ``tilted_mean`` evaluates f(x/2) = 1/2 + z P(z^2) and
-    f'(x/2) = Q(z^2) at z = x/2 from the series f(z) = 1/2 + sum_k c_k z^(2k-1),
-    c_k = B_2k / (2k)!. The number of terms of P (and Q) is the smallest whose truncation
-    error, bounded with abs(c_k) <= 2 zeta(4) / (2 pi)^(2k) and a geometric series, stays
-    below 1/16 ulp of the smallest value (f(-4) = 0.231) and derivative (f'(4) = 0.0435)
-    taken from the series, the ulp coming from the dtype's ``eps``. The derivation is in
-    the book's chapter ``case_b/taylor_and_asymptotics``.
+    f'(x/2) = Q(z^2) at z = x/2, with P and Q polynomials in w = z^2 on [0, 4]. They come
+    from the series f(z) = 1/2 + sum_k c_k z^(2k-1), c_k = B_2k / (2k)!, *economized*:
+    rewritten exactly in Chebyshev polynomials on [0, 4] and cut after the fewest terms
+    whose dropped coefficients sum to at most 1/16 ulp of the smallest value
+    (f(-4) = 0.231) and derivative (f'(4) = 0.0435) taken from the series, the ulp coming
+    from the dtype's ``eps``. The truncated Taylor series would need 8 and 10 terms in
+    float32, 17 and 19 in float64. The derivation is in the book's chapter
+    ``case_b/taylor_and_asymptotics``.
 
     Args:
         dtype: a floating-point dtype (``tf.float32``, ``"float64"``, ``np.float32``, ...).
             float16 and bfloat16 are computed in float32, so they count as float32.
 
     Returns:
-        ``(value_terms, derivative_terms)``: (8, 10) for float32, (17, 19) for float64.
+        ``(value_terms, derivative_terms)``: (5, 6) for float32, (11, 12) for float64.
 
     Raises:
         TypeError: if ``dtype`` is not a floating-point dtype.
 
     Example:
         >>> tilted_mean_series_terms(tf.float32), tilted_mean_series_terms("float64")
-        ((8, 10), (17, 19))
+        ((5, 6), (11, 12))
     """
     try:
         dtype = tf.as_dtype(dtype)
@@ -282,8 +363,10 @@ def tilted_mean(x, name: str | None = None) -> tf.Tensor:
 
     (from 1/(1-a) + 1/(1+a) = 2/(1-a^2) with a = e^(-x/2)) adds terms that are all
     positive, so it has no cancellation for either sign of x. For abs(x) <= 4, f(x/2) and
-    f'(x/2) come from the Taylor series at abs(x/2) <= 2, where it converges like
-    (2 / 2 pi)^2 ~ 0.1 per term. For abs(x) > 4, with t = abs(x),
+    f'(x/2) come from polynomials in (x/2)^2 economized from the Taylor series at
+    abs(x/2) <= 2 (Chebyshev economization: 5 and 6 terms in float32, 11 and 12 in float64,
+    where the truncated series, converging like (2 / 2 pi)^2 ~ 0.1 per term, needs 8 and
+    10, 17 and 19). For abs(x) > 4, with t = abs(x),
 
     .. code-block:: none
 
@@ -301,11 +384,18 @@ def tilted_mean(x, name: str | None = None) -> tf.Tensor:
     term). Every branch uses e^(-abs(x)/2) (or its square), which cannot overflow, so there
     is no overflow threshold either.
 
-    **Thresholds from the dtype.** The number of series terms is the smallest whose
-    truncation error (bounded from abs(B_2k) / (2k)! <= 2 zeta(4) / (2 pi)^2k) stays under
-    1/16 ulp of the smallest value (f(-4) = 0.231) and derivative (f'(4) = 0.0435) taken
-    from the series, with the ulp from ``np.finfo(dtype).eps``: 8 terms for the value and
-    10 for the derivative in float32, 17 and 19 in float64.
+    **Thresholds from the dtype.** The number of polynomial terms is the smallest whose
+    error (the sum of the dropped Chebyshev coefficients, computed exactly from the
+    Bernoulli numbers) stays under 1/16 ulp of the smallest value (f(-4) = 0.231) and
+    derivative (f'(4) = 0.0435) taken from the series, with the ulp from
+    ``np.finfo(dtype).eps``: 5 terms for the value and 6 for the derivative in float32,
+    11 and 12 in float64 (:func:`tilted_mean_series_terms`).
+
+    **Cost.** Under XLA every element evaluates both branches. One exponential and one
+    division, r = sigmoid(-abs(x)/2) or 1/expm1(abs(x)), are shared by the value and the
+    gradient; each adds its polynomial and one division (1/t for the value, 1/t^2 for the
+    derivative). ``benchmarks/tilted_mean.py`` measures forward + backward against the
+    naive formula (the book's chapter ``tools/performance``).
 
     **Gradient.** A ``tf.custom_gradient`` returns upstream * f'(x) with f' evaluated as
     above: autodiff of the value would differentiate through abs(x), which gives
@@ -315,7 +405,7 @@ def tilted_mean(x, name: str | None = None) -> tf.Tensor:
 
     **Accuracy**, measured against mpmath on 10^4 log-spaced points of both signs over
     the normal range plus dense grids on [-16, 16] (and on 3e6 random float32 points
-    against the float64 result): value within 1.7 ulp and derivative within 3.2 ulp in
+    against the float64 result): value within 1.7 ulp and derivative within 2.9 ulp in
     float32 and float64 (the tests assert 2 and 4), eagerly, under ``tf.function``
     (bit-identical to eager) and under XLA (which may differ from eager by an ulp).
     Results below the smallest normal number (f(x) for x < -1/tiny, f'(x) for

@@ -254,26 +254,54 @@ def test_bernoulli_numbers_match_mpmath():
 
 def test_series_has_the_right_signs_and_length_from_eps():
     value, derivative = numerics._tilted_mean_coefficients("float32")
-    # Horner order, highest power first: ..., +1/30240, -1/720, +1/12 (the seed had +1/720).
-    assert value[-3:] == pytest.approx((1 / 30240, -1 / 720, 1 / 12), rel=1e-15)
-    assert derivative[-3:] == pytest.approx((5 / 30240, -3 / 720, 1 / 12), rel=1e-15)
-    assert (len(value), len(derivative)) == (8, 10)
-    assert tuple(map(len, numerics._tilted_mean_coefficients("float64"))) == (17, 19)
+    # Horner order, highest power first: ..., +1/30240, -1/720, +1/12 (the seed had +1/720),
+    # each moved a little by the economization (most in float32, where fewer terms are kept).
+    assert value[-3:] == pytest.approx((1 / 30240, -1 / 720, 1 / 12), rel=2e-3)
+    assert derivative[-3:] == pytest.approx((5 / 30240, -3 / 720, 1 / 12), rel=2e-3)
+    value64, derivative64 = numerics._tilted_mean_coefficients("float64")
+    assert value64[-3:] == pytest.approx((1 / 30240, -1 / 720, 1 / 12), rel=1e-9)
+    assert derivative64[-3:] == pytest.approx((5 / 30240, -3 / 720, 1 / 12), rel=1e-9)
+    assert (len(value), len(derivative)) == (5, 6)
+    assert (len(value64), len(derivative64)) == (11, 12)
+    # Fewer terms than the truncated Taylor series needs for the same budgets.
+    assert numerics._tilted_mean_series_length(float(np.finfo(np.float32).eps), SWITCH / 2) == (8, 10)
+    assert numerics._tilted_mean_series_length(float(np.finfo(np.float64).eps), SWITCH / 2) == (17, 19)
+
+
+def test_economized_polynomials_match_mpmath_chebyshev_fits():
+    # The exact economization (rational arithmetic, no mpmath in the package) against an
+    # independent near-minimax fit: mpmath's Chebyshev interpolation with as many terms.
+    def p_exact(w):
+        if w == 0:
+            return mpmath.mpf(1) / 12
+        z = mpmath.sqrt(w)
+        return (1 / mpmath.expm1(z) + 1 - 1 / z - mpmath.mpf(1) / 2) / z
+
+    with mpmath.workdps(40):
+        for dtype in ("float32", "float64"):
+            p, _, bound, _ = numerics._tilted_mean_polynomials(dtype)
+            fit, fit_error = mpmath.chebyfit(p_exact, [0, SWITCH**2 / 4], len(p), error=True)
+            # Both are within a small factor of the minimax error, and so of each other.
+            ours = max(abs(mpmath.polyval([mpmath.mpf(a.numerator) / a.denominator for a in p], w, asc=True)
+                           - p_exact(w)) for w in mpmath.linspace(0, SWITCH**2 / 4, 400))
+            assert ours <= bound / (SWITCH / 2) * (1 + 1e-9)
+            assert ours <= 4 * fit_error and fit_error <= 4 * ours
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
-def test_series_truncation_stays_within_its_budget_at_the_switch(dtype):
+def test_series_truncation_stays_within_its_budget_on_the_whole_series_branch(dtype):
     eps = float(np.finfo(dtype).eps)
     value, derivative = numerics._tilted_mean_coefficients(np.dtype(dtype).name)
+    value_error = derivative_error = mpmath.mpf(0)
     with mpmath.workdps(50):
-        z = mpmath.mpf(SWITCH / 2)
-        exact_value, exact_derivative = _reference(z)
-        w = z * z
-        value_series = 1 / mpmath.mpf(2) + z * mpmath.polyval([mpmath.mpf(c) for c in value[::-1]], w, asc=True)
-        derivative_series = mpmath.polyval([mpmath.mpf(c) for c in derivative[::-1]], w, asc=True)
-        value_error = abs(value_series - exact_value)
-        derivative_error = abs(derivative_series - exact_derivative)
-    # Budgets of _tilted_mean_series_length, plus the rounding of coefficients to float64.
+        for z in mpmath.linspace(0, SWITCH / 2, 401)[1:]:  # economized: the error oscillates
+            exact_value, exact_derivative = _reference(z)
+            w = z * z
+            value_series = 1 / mpmath.mpf(2) + z * mpmath.polyval([mpmath.mpf(c) for c in value[::-1]], w, asc=True)
+            derivative_series = mpmath.polyval([mpmath.mpf(c) for c in derivative[::-1]], w, asc=True)
+            value_error = max(value_error, abs(value_series - exact_value))
+            derivative_error = max(derivative_error, abs(derivative_series - exact_derivative))
+    # Budgets of _tilted_mean_polynomials, plus the rounding of coefficients to float64.
     assert value_error <= numerics._SERIES_VALUE_BUDGET * eps + 1e-16
     assert derivative_error <= numerics._SERIES_DERIVATIVE_BUDGET * eps + 1e-16
 
