@@ -476,7 +476,9 @@ def tap_fit_batches(frame, record: Callable[[Any], None]) -> Callable[[], None] 
         with tf.control_dependencies([done]):
             return tf.nest.map_structure(tf.identity, structure)
 
-    iterator._distributed_dataset = dataset.map(tap).prefetch(tf.data.AUTOTUNE)
+    with warnings.catch_warnings():  # "run_functions_eagerly does not apply to tf.data functions": known
+        warnings.simplefilter("ignore", UserWarning)
+        iterator._distributed_dataset = dataset.map(tap).prefetch(tf.data.AUTOTUNE)
 
     def remove() -> None:
         iterator._distributed_dataset = dataset

@@ -38,9 +38,12 @@ patched function are put back afterwards, also when the re-run fails. What is ve
   spells (for ``x / y``, the tensor's division operator) replaced, only for calls
   made from that file and line, by the form the remedy prints.
 
+* ``jit_compile=False`` for a step that only XLA makes non-finite: the step re-run
+  compiled without XLA.
+
 A remedy that is not a mechanical rewrite of one call (a double ``where``, a finite
-mask instead of ``-inf``, ``softplus``/``softmax``/``l2_normalize`` for a formula,
-``jit_compile=False``) is printed with no ``verified`` (no claim), and so is a clamp
+mask instead of ``-inf``, ``softplus``/``softmax``/``l2_normalize`` for a formula) is
+printed with no ``verified`` (no claim), and so is a clamp
 whose call the re-run never made from that line. A failure of the check itself is a
 ``"not verified: ..."`` sentence, never an exception.
 """
@@ -67,7 +70,8 @@ from companion import _tf_internals
 from companion.diagnostics.data import nonfinite_data
 from companion.diagnostics.sources import layer_path
 from companion.diagnostics.state import restore, snapshot
-from companion.diagnostics.step import step_variables
+from companion.diagnostics.causes import grew
+from companion.diagnostics.step import logs_values, pack, step_variables, written_variables
 from companion.diagnostics.trace import nonfinite_mask
 
 __all__ = ["Steps", "choose", "verify"]
@@ -84,19 +88,22 @@ def _layer(model, path: str | None):
     return None
 
 
-def _finite_step(model, loss_fn, x, y, w, eager: bool = False) -> bool:
+def _finite_step(model, loss_fn, x, y, w, eager: bool = False, graph: bool = False) -> bool:
     """Whether one scanning step on this batch is finite; changes nothing.
 
     Eagerly for a compiled model's loss (and for a model's own ``train_step`` if
     ``eager``: a patched call is then seen from the user's own line): a check of one
     batch needs no trace, and a new ``tf.function`` per check would count as retracing
-    the doctor's scanning step.
+    the doctor's scanning step. ``graph``: a ``tf.function`` without XLA, for both.
     """
     from companion.diagnostics.doctor import _compiled_step, _run_scan_step  # noqa: PLC0415
     from companion.diagnostics.step import OwnStepScan  # noqa: PLC0415
 
     own = loss_fn is None
-    step = OwnStepScan(model, None if eager else False) if own else _compiled_step(model, loss_fn, None)
+    if graph:
+        step = OwnStepScan(model, False) if own else _compiled_step(model, loss_fn, False)
+    else:
+        step = OwnStepScan(model, None if eager else False) if own else _compiled_step(model, loss_fn, None)
     ok, bad, _ = _run_scan_step(model, step, own, x, y, w)
     return ok and not bad
 
@@ -166,6 +173,11 @@ def _verify(d, model, loss_fn, x, y, w, steps=None):
                         else f"not verified: the step is still non-finite with {what}")
     if d.cause == "divergence":
         return _verify_divergence(d, model, x, y, w, steps)
+    if d.cause == "compiled_only" and getattr(model, "jit_compile", False):
+        finite = _finite_step(model, loss_fn, x, y, w, graph=True)
+        return choose(d), ("verified: the step is finite with jit_compile=False (the same step compiled "
+                           "without XLA)" if finite else
+                           "not verified: the step compiled without XLA (jit_compile=False) is still non-finite")
     if d.cause == "nonfinite_input":
         rows = _rows((x, y, w))
         if rows is None or not len(rows):
@@ -252,27 +264,39 @@ def _clipnorm(optimizer, value: float):
         optimizer.clipnorm, optimizer.global_clipnorm, optimizer.clipvalue = before
 
 
-def _rerun_steps(model, steps: Steps, change) -> tuple[bool, int]:
-    """The steps re-run eagerly with ``change`` applied: ``(all finite, steps run)``.
+def _rerun_steps(model, steps: Steps, change) -> tuple[bool, int, str | None]:
+    """The steps re-run eagerly with ``change`` applied: ``(all finite, steps run, grown)``.
 
-    Every variable a step writes (and the random generators' states) is put back
-    afterwards, and ``change`` is undone, also on an error.
+    ``grown`` names a logged value that still grew step after step (by the rule that
+    calls a run a divergence, :func:`~companion.diagnostics.causes.grew`) though every
+    step was finite, with its first and last values; else ``None``. Every variable a
+    step writes (and the random generators' states) is put back afterwards, and
+    ``change`` is undone, also on an error.
     """
-    from companion.diagnostics.step import OwnStepScan  # noqa: PLC0415
-
     saved = snapshot(step_variables(model))
+    history: dict[str, list[float]] = {}
     try:
         for variable, value in zip(steps.variables, steps.start):
             variable.assign(value)
         with change():
-            scan = OwnStepScan(model, None)
+            written = written_variables(model)
             run = 0
             for x, y, w in steps.batches():
                 run += 1
-                logs_ok, written_ok = scan(x, y, w)
-                if not (np.all(np.asarray(logs_ok)) and np.all(np.asarray(written_ok))):
-                    return False, run
-        return True, run
+                logs = model.train_step(pack(x, y, w))
+                finite = True
+                for name, value in logs_values(logs):
+                    array = np.asarray(tf.cast(value, tf.float32))
+                    finite = finite and bool(np.all(np.isfinite(array)))
+                    if array.size == 1:
+                        history.setdefault(name, []).append(float(array.reshape(-1)[0]))
+                finite = finite and all(bool(tf.reduce_all(tf.math.is_finite(v))) for v in written)
+                if not finite:
+                    return False, run, None
+        for name, values in history.items():
+            if grew(values):
+                return True, run, f"{name} {values[0]:.3g} -> {values[-1]:.3g}"
+        return True, run, None
     finally:
         restore(saved)
 
@@ -312,21 +336,26 @@ def _verify_divergence(d, model, x, y, w, steps):
     if steps.count > MAX_STEPS:
         return smaller, (f"not verified: the failing step is {steps.count} steps after {steps.origin}, the "
                          f"earliest state the doctor kept (it re-runs at most {MAX_STEPS}, eagerly)")
-    reproduced, run_control = _rerun_steps(model, steps, contextlib.nullcontext)
+    reproduced, run_control, _ = _rerun_steps(model, steps, contextlib.nullcontext)
     if reproduced:  # the control: without a remedy the re-run must fail as fit did
         return smaller, (f"not verified: {span} without a remedy is finite as well (the re-run does not "
                          "reproduce fit's failure, so it cannot show a cure)")
     failures = []
     for text, what, change in tries:
         try:
-            finite, run = _rerun_steps(model, steps, change)
+            finite, run, grown = _rerun_steps(model, steps, change)
         except TypeError as error:  # a learning-rate schedule is not settable
             failures.append(f"{what} could not be set ({str(error).splitlines()[0][:120]})")
             continue
-        if finite:
+        if finite and grown:
+            failures.append(f"with {what}, every step is finite but {grown} still grows step after step")
+        elif finite:
+            tried = "".join(f"; {failure}" for failure in failures)
             return text, (f"verified: the step is finite with {what} ({span}, every logged value and weight "
-                          f"finite; without it, {_where(run_control, steps.count)} is not)")
-        failures.append(f"with {what}, {_where(run, steps.count)} is still non-finite")
+                          f"finite and none growing step after step; without it, "
+                          f"{_where(run_control, steps.count)} is not{tried})")
+        else:
+            failures.append(f"with {what}, {_where(run, steps.count)} is still non-finite")
     return tries[0][0], f"not verified: {'; '.join(failures)} ({span})"
 
 
