@@ -422,7 +422,8 @@ def _inside_library(at: str, op: str, line: str, eps: float) -> tuple[str, "Clam
         return (f"{at}the Sqrt is inside {name}, which you cannot edit: {name}(x, axis=a) -> "
                 f"tf.sqrt(tf.maximum(tf.reduce_sum(tf.square(x), axis=a), {eps:.3g})) (the norm's square "
                 "clamped: a finite value, and a zero gradient at 0)",
-                Clamp((name,), _clamped_norm(name.rpartition(".")[2], eps), f"{name}'s square clamped at {eps:.3g}"))
+                Clamp((name.rpartition(".")[2],), _clamped_norm(name.rpartition(".")[2], eps),
+                      f"{name}'s square clamped at {eps:.3g}"))
     calls = [c for c in re.findall(r"([\w.]+)\(", line) if c.rpartition(".")[2] not in GENERIC]
     inside = calls[-1] if calls else "a library function"
     return (f"{at}the {op} is inside {inside}, which you cannot edit: keep its input off the edge "
