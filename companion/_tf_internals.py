@@ -457,6 +457,8 @@ def tap_fit_batches(frame, record: Callable[[Any], None]) -> Callable[[], None] 
     found = running_fit_locals(frame, ("epoch_iterator",))
     iterator = None if found is None else found["epoch_iterator"]
     dataset = getattr(iterator, "_distributed_dataset", None)
+    if isinstance(dataset, tf.distribute.DistributedDataset):
+        return None  # under a distribution strategy each replica has its own part: not tapped
     if not isinstance(dataset, tf.data.Dataset):
         warn_once("epoch_iterator", "keras' fit has no epoch_iterator with a tf.data.Dataset: the NaN doctor "
                                     "cannot see the batches fit shuffled")
