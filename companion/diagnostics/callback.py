@@ -38,7 +38,14 @@ class NaNDoctor(keras.callbacks.Callback):
     :func:`diagnose` on that step's batch (the data ``fit`` was given, in order, or
     ``data``) — the compiled loss, or the model's own ``train_step`` if it has one or
     no compiled loss — prints the :class:`Diagnosis` and, by default, stops training,
-    like :class:`keras.callbacks.TerminateOnNaN`.
+    like :class:`keras.callbacks.TerminateOnNaN`. When ``fit`` shuffles arrays
+    (``shuffle=True``, its default), the rows of a step are Keras' own permutation: the
+    callback then keeps the batches ``fit``'s pipeline yields, so the diagnosis and the
+    capsule hold the rows ``fit`` trained on at that step. For a divergence, the
+    remedy (a learning rate ten times smaller, or ``clipnorm=1.0``) is verified by
+    re-running ``fit``'s steps from its start (the weights copied before its first
+    batch) to the failing one with it, after a control re-run without it that must
+    fail as ``fit`` did.
 
     The doctor never breaks the run it watches: any failure of its own is a
     ``RuntimeWarning``, and training goes on (or stops only as ``stop_training`` says).
