@@ -762,3 +762,17 @@ def test_the_doctor_never_raises_into_fit_when_a_divergence_check_fails(monkeypa
     model, x, y = regression(5e-3)
     doctor, history = fit_with_doctor(model, x, y)
     assert doctor.diagnosis.verified == "not verified: the re-run of fit's steps failed (RuntimeError: the re-run broke)"
+
+
+def test_fit_with_shuffle_keeps_only_the_batches_it_can_re_run_and_says_from_where(monkeypatch):
+    monkeypatch.setattr(callback_module, "MAX_STEPS", 3)  # fit's 7 steps are too many: this epoch's 3
+    model, x, y = regression(5e-3)
+    doctor, _ = fit_with_doctor(model, x, y, shuffle=True)
+    assert doctor.batch == (1, 2)
+    assert "the 3 steps from the start of epoch 1 (fit shuffled the rows; the doctor kept this epoch's " \
+           "batches) to the failing one re-run with it" in doctor.diagnosis.verified
+    assert not doctor._tapped  # and nothing is kept after fit
+    monkeypatch.setattr(callback_module, "MAX_STEPS", 2)  # not even this epoch's: the failing step's own
+    model, x, y = regression(5e-3)
+    doctor, _ = fit_with_doctor(model, x, y, shuffle=True)
+    assert doctor.diagnosis.verified.endswith("(the failing step re-run from the weights before it)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 import warnings
 import weakref
 from typing import Any, Callable
@@ -111,6 +112,8 @@ class NaNDoctor(keras.callbacks.Callback):
         self._steps = 0
         self._shuffled = False  # fit shuffles the rows of arrays
         self._tapped: dict[int, Any] = {}  # step index (from fit's start) -> the batch fit trained on
+        self._tapped_bytes = 0
+        self._lock = threading.Lock()
         self._produced = 0
         self._untap = None
 
@@ -142,9 +145,12 @@ class NaNDoctor(keras.callbacks.Callback):
         if getattr(self.model, "steps_per_execution", 1) != 1:
             return  # several steps per callback call: the steps are not told apart
 
-        def record(batch) -> None:
-            self._tapped[self._produced] = batch
-            self._produced += 1
+        def record(batch) -> None:  # called from tf.data's thread
+            size = sum(int(np.asarray(v).nbytes) for v in tf.nest.flatten(batch))
+            with self._lock:
+                self._tapped[self._produced] = batch
+                self._tapped_bytes += size
+                self._produced += 1
 
         self._untap = _tf_internals.tap_fit_batches(frame, record)
 
@@ -162,10 +168,16 @@ class NaNDoctor(keras.callbacks.Callback):
         self._epoch_first = self._steps
         self._epoch_steps.append(0)
         self._epoch_start = None
-        if self._steps > MAX_STEPS or _size(self._tapped) > MAX_KEPT_BYTES:
+        if self._steps > MAX_STEPS or self._tapped_bytes > MAX_KEPT_BYTES:
             # fit's batches from its start would be too many to keep (or to re-run): this epoch's only
-            for index in [i for i in self._tapped if i < self._steps]:
-                del self._tapped[index]
+            self._forget(self._steps)
+
+    def _forget(self, before: int) -> None:
+        """Drop the kept batches of the steps before ``before``."""
+        with self._lock:
+            for index in [i for i in list(self._tapped) if i < before]:
+                batch = self._tapped.pop(index)
+                self._tapped_bytes -= sum(int(np.asarray(v).nbytes) for v in tf.nest.flatten(batch))
 
     def on_train_batch_begin(self, batch, logs=None) -> None:
         if self._done:
@@ -206,6 +218,8 @@ class NaNDoctor(keras.callbacks.Callback):
             self._steps += 1
             if self._epoch_steps:
                 self._epoch_steps[-1] += 1
+            if self._tapped and (self._steps - self._epoch_first > MAX_STEPS or self._tapped_bytes > MAX_KEPT_BYTES):
+                self._forget(self._steps - 1)  # too many to re-run from the epoch's start: the step's own only
             if not bad_logs and weights_ok:
                 if logs and "loss" in logs:
                     self._losses.append(_as_float(logs["loss"]))
@@ -351,12 +365,8 @@ def _extended(old: "_Functions", before: list, new: "_Functions", after: list) -
     return values
 
 
-#: The most bytes of fit's shuffled batches the doctor keeps from fit's start (beyond: the epoch's only).
+#: The most bytes of fit's shuffled batches the doctor keeps (beyond: the epoch's, then the step's own only).
 MAX_KEPT_BYTES = 64 * 2**20
-
-
-def _size(tapped: dict) -> int:
-    return sum(int(np.asarray(v).nbytes) for batch in tapped.values() for v in tf.nest.flatten(batch))
 
 
 def _is_arrays(x) -> bool:

@@ -600,9 +600,10 @@ def _division_clamp(line: str) -> "Clamp":
 def _module_of(filename: str):
     """The namespace (a module's ``__dict__``) whose code is in ``filename``."""
     target = os.path.realpath(filename)
+    name = os.path.basename(target)
     for module in list(sys.modules.values()):
         path = getattr(module, "__file__", None)
-        if path and os.path.realpath(path) == target:
+        if isinstance(path, str) and os.path.basename(path) == name and os.path.realpath(path) == target:
             return vars(module)
     main = sys.modules.get("__main__")
     return vars(main) if main is not None else None  # a notebook's cell or a script
