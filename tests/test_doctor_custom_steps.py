@@ -757,11 +757,16 @@ def test_the_doctor_never_raises_into_fit_when_a_divergence_check_fails(monkeypa
     model, x, y = regression(5e-3)
     doctor, history = fit_with_doctor(model, x, y)
     assert doctor.diagnosis.cause == "divergence"
-    assert doctor.diagnosis.verified == "not verified: the re-run with the remedy failed (RuntimeError: the re-run broke)"
+    assert doctor.diagnosis.verified == ("not verified: the re-run with the remedy failed "
+                                         "(RuntimeError: the re-run broke)")
+    assert isinstance(history, keras.callbacks.History)  # fit returned: nothing was raised into it
+    assert doctor.diagnosis.remedy.startswith("recompile with a learning rate ten times smaller")
     monkeypatch.setattr(callback_module.NaNDoctor, "_steps_to", broken)
     model, x, y = regression(5e-3)
     doctor, history = fit_with_doctor(model, x, y)
-    assert doctor.diagnosis.verified == "not verified: the re-run of fit's steps failed (RuntimeError: the re-run broke)"
+    assert doctor.diagnosis.verified == ("not verified: the re-run of fit's steps failed "
+                                         "(RuntimeError: the re-run broke)")
+    assert doctor.diagnosis.remedy.startswith("recompile with a learning rate ten times smaller")
 
 
 def test_fit_with_shuffle_keeps_only_the_batches_it_can_re_run_and_says_from_where(monkeypatch):

@@ -140,7 +140,7 @@ def verify(diagnosis: Any, model: Any, loss_fn: Any, x, y, w, steps: "Steps | No
     except Exception as error:  # the doctor's own failure: said, not raised
         remedy = None
         try:
-            remedy = choose(diagnosis)
+            remedy = _smaller_learning_rate(model)[0] if diagnosis.cause == "divergence" else choose(diagnosis)
         except Exception:  # noqa: BLE001 - the doctor never raises into fit
             pass
         found = (remedy, f"not verified: the re-run with the remedy failed ({type(error).__name__}: {error})"[:300])
