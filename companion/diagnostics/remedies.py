@@ -305,6 +305,11 @@ def _where(run: int, count: int) -> str:
     return "the failing step" if run == count else f"step {run} of the {count}"
 
 
+def _replicas(model) -> int:
+    strategy = getattr(model, "distribute_strategy", None)
+    return int(getattr(strategy, "num_replicas_in_sync", 1) or 1)
+
+
 def _verify_divergence(d, model, x, y, w, steps):
     optimizer = _optimizer(model)
     if optimizer is None:
@@ -313,6 +318,9 @@ def _verify_divergence(d, model, x, y, w, steps):
     rate = _rate(optimizer)
     name = type(optimizer).__name__
     smaller = _smaller_learning_rate(model)[0]
+    if _replicas(model) > 1:  # an update on one replica, outside the strategy, would wait for the others
+        return smaller, (f"not verified: the doctor does not re-run training steps under a distribution "
+                         f"strategy of {_replicas(model)} replicas")
     if steps is None:
         if d.phase == "weights":
             return smaller, ("not verified: the weights before the step are already non-finite; the steps "
@@ -685,6 +693,8 @@ def _patched(clamp: Clamp, filename: str, lineno: int, line: str):
 
 def _verify_clamp(d, clamp: Clamp, model, loss_fn, x, y, w) -> str | None:
     """The failing step re-run with the clamp on the user's line; ``None`` if it could not be applied."""
+    if loss_fn is None and _replicas(model) > 1:  # an own train_step's update would wait for the other replicas
+        return None
     return verify_clamp(d, clamp, lambda: _finite_step(model, loss_fn, x, y, w, eager=True))
 
 
