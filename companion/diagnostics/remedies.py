@@ -30,22 +30,27 @@ patched function are put back afterwards, also when the re-run fails. What is ve
   :class:`~companion.diagnostics.NaNDoctor`, the start of ``fit`` (or of the epoch,
   when ``fit`` shuffled the rows and only this epoch's batches are known), every
   step up to the failing one; under :func:`~companion.diagnostics.diagnose` alone,
-  the failing step from the weights before it (the report says which);
+  the failing step from the weights before it (the report says which). First without
+  the remedy, as a control that must fail as ``fit`` did; the remedy verifies if every
+  step is then finite and no logged value grows step after step. Not under a
+  distribution strategy of several replicas (an update outside it would wait for the
+  other replicas): "not verified", and why;
 * a clamp written on the user's line (``tf.sqrt(tf.maximum(x, eps))``, the clamped
   ``log``, ``lgamma``, ``rsqrt``, ``acos``/``asin`` input, ``exp(minimum(x, limit))``,
   ``atan2``/``angle`` moved off the origin, ``divide_no_nan``, ``safe_pow``/``signed_pow``,
   a norm's clamped square): the failing step re-run eagerly with the function the line
   spells (for ``x / y``, the tensor's division operator) replaced, only for calls
-  made from that file and line, by the form the remedy prints.
-
+  made from that file and line, by the form the remedy prints (in
+  :func:`~companion.diagnostics.diagnose_function`, the function called again, unless
+  it wrote a variable);
 * ``jit_compile=False`` for a step that only XLA makes non-finite: the step re-run
   compiled without XLA.
 
 A remedy that is not a mechanical rewrite of one call (a double ``where``, a finite
-mask instead of ``-inf``, ``softplus``/``softmax``/``l2_normalize`` for a formula) is
-printed with no ``verified`` (no claim), and so is a clamp
-whose call the re-run never made from that line. A failure of the check itself is a
-``"not verified: ..."`` sentence, never an exception.
+mask instead of ``-inf``, ``softplus``/``softmax``/``l2_normalize`` for a formula, a
+choice for a library function's input) is printed with no ``verified`` (no claim), and
+so is a clamp whose call the re-run never made from that line. A failure of the check
+itself is a ``"not verified: ..."`` sentence, never an exception.
 """
 
 from __future__ import annotations
