@@ -328,11 +328,18 @@ class NaNDoctor(keras.callbacks.Callback):
                     yield _unpack(batch)
 
             return Steps(variables, list(start), shuffled, len(known), origin)
+        if isinstance(data, tf.data.Dataset) or isinstance(data, keras.utils.PyDataset):
+            again = " (the dataset read again)"  # one that reshuffles gives another order
+        elif _is_arrays(data):
+            again = ""
+        else:  # a generator: reading it again would take batches from fit
+            return None
         origin, start, counts = "the start of fit", self._start, list(self._epoch_steps)
         if index + 1 > MAX_STEPS and self._epoch_start is not None:  # too long a re-run: from the epoch
             origin, start, counts = f"the start of epoch {self._epoch}", self._epoch_start, counts[-1:]
         if start is None:
             return None
+        origin += again
 
         def in_order():
             for count in counts:  # each epoch: its first `count` batches, in order
