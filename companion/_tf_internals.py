@@ -451,6 +451,71 @@ def running_fit_arguments(frame) -> dict[str, Any] | None:
     return None
 
 
+def running_fit_locals(frame, names: tuple[str, ...]) -> dict[str, Any] | None:
+    """The local variables ``names`` of the ``fit`` call on the stack (``None`` if not found)."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "fit" and "keras" in code.co_filename and "self" in frame.f_locals:
+            local = frame.f_locals
+            return {name: local.get(name) for name in names}
+        frame = frame.f_back
+    return None
+
+
+# --------------------------------------------------------------------------------------
+# 8c. The batches the running ``fit`` trains on (companion.diagnostics.NaNDoctor)
+# --------------------------------------------------------------------------------------
+# Relies on: Keras 3's ``fit`` holding its ``TFEpochIterator`` in the local
+# ``epoch_iterator`` when it calls ``on_train_begin``, and that iterator taking each
+# epoch's batches from its ``_distributed_dataset`` attribute (a ``tf.data.Dataset``
+# under the default strategy), which Keras builds before ``on_train_begin`` (for
+# arrays with ``shuffle=True``, the rows are permuted there, per epoch, by
+# ``tf.random.shuffle``: nothing outside the pipeline knows the permutation).
+# The tap maps the dataset through a ``tf.py_function`` that hands each batch, in the
+# order the pipeline yields it (the order ``fit`` trains on), to a Python function.
+# If gone: no tap (a warning says so), and the doctor diagnoses the rows of the
+# unshuffled arrays in fit's order, saying that fit shuffled them.
+
+
+def tap_fit_batches(frame, record: Callable[[Any], None]) -> Callable[[], None] | None:
+    """Make the running ``fit`` hand each batch it trains on to ``record``, in order.
+
+    Returns a function that removes the tap, or ``None`` if it cannot be installed.
+    """
+    found = running_fit_locals(frame, ("epoch_iterator",))
+    iterator = None if found is None else found["epoch_iterator"]
+    dataset = getattr(iterator, "_distributed_dataset", None)
+    if isinstance(dataset, tf.distribute.DistributedDataset):
+        return None  # under a distribution strategy each replica has its own part: not tapped
+    if not isinstance(dataset, tf.data.Dataset):
+        warn_once("epoch_iterator", "keras' fit has no epoch_iterator with a tf.data.Dataset: the NaN doctor "
+                                    "cannot see the batches fit shuffled")
+        return None
+
+    as_tuple = isinstance(dataset.element_spec, tuple)  # map hands a tuple's items as arguments
+
+    def tap(*element):
+        structure = tuple(element) if as_tuple else element[0]
+        flat = tf.nest.flatten(structure)
+
+        def hand_on(*values):
+            record(tf.nest.pack_sequence_as(structure, [v.numpy() for v in values]))
+            return 0
+
+        done = tf.py_function(hand_on, flat, tf.int32)
+        with tf.control_dependencies([done]):
+            return tf.nest.map_structure(tf.identity, structure)
+
+    with warnings.catch_warnings():  # "run_functions_eagerly does not apply to tf.data functions": known
+        warnings.simplefilter("ignore", UserWarning)
+        iterator._distributed_dataset = dataset.map(tap).prefetch(tf.data.AUTOTUNE)
+
+    def remove() -> None:
+        iterator._distributed_dataset = dataset
+
+    return remove
+
+
 # --------------------------------------------------------------------------------------
 # 9. TensorFlow's error texts
 # --------------------------------------------------------------------------------------

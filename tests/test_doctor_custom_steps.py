@@ -33,6 +33,7 @@ from companion.diagnostics import NaNDoctor, diagnose, diagnose_function, replay
 from companion.diagnostics import callback as callback_module
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+HERE = inspect.getsourcefile(lambda: None)
 
 
 def _line_of(function, marker: str) -> int:
@@ -558,3 +559,225 @@ def test_a_nan_in_the_data_is_verified_by_the_step_without_its_rows():
     assert (d.cause, d.batch) == ("nonfinite_input", 1)
     assert d.remedy.startswith("drop or impute row 5 of the batch")
     assert d.verified == "verified: the step is finite without row 5"
+
+
+# --------------------------------------------------------------------------------------
+# A divergence: the learning rate or clipnorm, verified over fit's steps
+# --------------------------------------------------------------------------------------
+
+
+def regression(rate: float, clipnorm=None) -> tuple[keras.Model, np.ndarray, np.ndarray]:
+    """Linear regression on unscaled features (keras-team/keras#3040): SGD at ``rate`` diverges."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, name="linear")], name="net")
+    model.compile(optimizer=keras.optimizers.SGD(rate, clipnorm=clipnorm), loss="mse")
+    rng = np.random.default_rng(0)
+    x = rng.uniform(10.0, 30.0, size=(64, 2)).astype("float32") * 10
+    return model, x, (x @ np.array([[0.5], [0.2]], "float32")).astype("float32")
+
+
+def fit_with_doctor(model, x, y, shuffle=False, epochs=8):
+    doctor = NaNDoctor(verbose=False)
+    history = model.fit(x, y, batch_size=16, epochs=epochs, shuffle=shuffle, verbose=0, callbacks=[doctor])
+    return doctor, history
+
+
+def test_a_divergence_that_a_ten_times_smaller_learning_rate_only_delays_is_cured_by_clipnorm_verified():
+    model, x, y = regression(5e-3)
+    doctor, _ = fit_with_doctor(model, x, y)
+    d = doctor.diagnosis
+    assert (d.cause, doctor.batch) == ("divergence", (1, 2))
+    assert d.remedy.startswith("recompile with gradient clipping: keras.optimizers.SGD(learning_rate=0.005, "
+                               "clipnorm=1.0)")
+    assert d.verified.startswith("verified: the step is finite with clipnorm=1.0 (the 7 steps from the start of "
+                                 "fit to the failing one re-run with it")
+    assert "without it, the failing step is not" in d.verified  # the control re-run reproduced fit's failure
+    assert "with learning_rate=0.0005, every step is finite but loss" in d.verified  # tried first, not a cure
+    # Everything the re-runs changed is back: the optimizer as compiled, the weights before the step.
+    assert model.optimizer.clipnorm is None and np.isclose(float(model.optimizer.learning_rate), 5e-3)
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+    # And the remedy as printed, applied to the whole run (8 epochs): finite throughout.
+    fixed, x, y = regression(5e-3, clipnorm=1.0)
+    history = fixed.fit(x, y, batch_size=16, epochs=8, shuffle=False, verbose=0)
+    assert np.all(np.isfinite(history.history["loss"]))
+    smaller, x, y = regression(5e-4)  # ... where the smaller rate is not
+    assert not np.all(np.isfinite(smaller.fit(x, y, batch_size=16, epochs=8, shuffle=False, verbose=0)
+                                  .history["loss"]))
+
+
+class Growing(keras.layers.Layer):
+    """A state that grows 100 times per training call, whatever the optimizer does."""
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(), initializer="ones", name="w")
+        self.scale = self.add_weight(shape=(), initializer="ones", trainable=False, name="scale")
+
+    def call(self, x, training=False):
+        if training:
+            self.scale.assign(self.scale * 100.0)
+        return self.w * x * self.scale
+
+
+def test_a_divergence_neither_remedy_cures_is_said_not_verified():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((1,)), Growing(name="growing")], name="net")
+    model.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse")
+    x = np.ones((64, 1), "float32")
+    doctor, _ = fit_with_doctor(model, x, x)
+    d = doctor.diagnosis
+    assert d.cause == "divergence"
+    assert d.remedy.startswith("recompile with a learning rate ten times smaller: keras.optimizers.SGD("
+                               "learning_rate=0.0001)")
+    assert d.verified.startswith("not verified: with learning_rate=0.0001, the failing step is still non-finite; "
+                                 "with clipnorm=1.0, every step is finite but loss ")
+    assert d.verified.endswith("still grows step after step (the 4 steps from the start of fit to the failing "
+                               "one re-run with it)")
+
+
+def test_diagnose_alone_verifies_a_divergences_remedy_on_the_failing_step_from_the_weights_before_it():
+    model, x, y = regression(5e-3)
+    doctor, _ = fit_with_doctor(model, x, y)  # the weights before the failing step, restored
+    again = diagnose(model, (x[32:48], y[32:48]), losses_before=[1.0, 10.0, 1e3])
+    assert again.cause == "divergence"
+    assert again.verified.endswith("(the failing step re-run from the weights before it)")  # what it re-ran
+
+
+def test_fit_with_shuffle_names_and_saves_the_rows_it_trained_on_at_the_failing_step(tmp_path):
+    seen = []
+
+    class Seen(keras.layers.Layer):
+        """The rows of every batch fit trains on, in order (the model runs eagerly)."""
+
+        recording = True
+
+        def call(self, x):
+            if Seen.recording and hasattr(x, "numpy"):
+                seen.append(x.numpy().copy())
+            return x
+
+    class Stop(keras.callbacks.Callback):  # the doctor's own re-runs are not fit's steps
+        def on_train_batch_begin(self, batch, logs=None):
+            Seen.recording = True
+
+        def on_train_batch_end(self, batch, logs=None):
+            Seen.recording = False
+
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((2,)), Seen(), keras.layers.Dense(1, name="dense")], name="net")
+    model.compile(optimizer="sgd", loss="mse", run_eagerly=True)
+    x = np.stack([np.arange(64), np.ones(64)], axis=1).astype("float32")  # column 0: the row's index
+    x[37, 1] = np.nan
+    doctor = NaNDoctor(verbose=False)
+    model.fit(x, np.ones((64, 1), "float32"), batch_size=8, epochs=1, shuffle=True, verbose=0,
+              callbacks=[Stop(), doctor])
+    d = doctor.diagnosis
+    epoch, step = doctor.batch
+    trained = seen[step]  # what fit trained on at the step that made the NaN
+    assert (epoch, d.batch, d.cause) == (0, step, "nonfinite_input")
+    assert 37 in trained[:, 0]
+    assert not np.array_equal(trained[:, 0], np.arange(8 * step, 8 * step + 8))  # fit did shuffle
+    row = int(np.nonzero(trained[:, 0] == 37)[0][0])
+    assert d.inputs_summary.endswith(f"row {row}") and d.verified == f"verified: the step is finite without row {row}"
+    saved = replay_capsule(d, tmp_path)
+    np.testing.assert_array_equal(saved.batch[0], trained)  # the capsule holds those rows, NaN included
+
+
+def replay_capsule(d, tmp_path):
+    from companion.diagnostics.capsule import load  # noqa: PLC0415
+
+    return load(d.save(tmp_path / "step.npz"))
+
+
+def test_a_shuffled_divergence_is_verified_over_the_batches_fit_trained_on():
+    model, x, y = regression(5e-5 * 10)
+    doctor, _ = fit_with_doctor(model, x, y, shuffle=True)
+    d = doctor.diagnosis
+    assert d.cause == "divergence"
+    # The control re-run (no remedy) fails at the failing step itself: the kept batches are fit's, in order.
+    assert "from the start of fit to the failing one re-run with it" in d.verified
+    assert "without it, the failing step is not" in d.verified
+
+
+# --------------------------------------------------------------------------------------
+# A clamp on the user's line: verified on the failing step, and put back
+# --------------------------------------------------------------------------------------
+
+
+class RootAndLog(keras.layers.Layer):
+    """sqrt(w x) and log(w x) of a zero: the Log is the first non-finite op, the Sqrt's gradient another."""
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(), initializer="ones", name="w")
+
+    def call(self, x):
+        root = tf.sqrt(self.w * x)  # the root line
+        return root + tf.math.log(self.w * x)  # the log line
+
+
+def root_and_log_model():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((1,)), RootAndLog(name="both")], name="net")
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def test_a_clamp_that_leaves_another_nan_is_said_not_verified_and_every_patch_is_put_back():
+    log, sqrt = tf.math.log, tf.sqrt
+    x = np.array([[1.0], [0.0]], "float32")
+    d = diagnose(root_and_log_model(), (x, np.ones((2, 1), "float32")))
+    line = _line_of(RootAndLog.call, "# the log line")
+    assert (d.op, d.cause, d.source) == ("Log", "log_of_zero", f"{HERE}:{line}")
+    assert d.verified == (f"not verified: the step is still non-finite with log's input clamped at 1.19e-07 "
+                          f"at test_doctor_custom_steps.py:{line}")  # the Sqrt's gradient at 0 is still inf
+    assert tf.math.log is log and tf.sqrt is sqrt
+
+
+def test_a_failing_check_is_a_not_verified_sentence_and_the_patch_is_put_back(monkeypatch):
+    from companion.diagnostics import remedies  # noqa: PLC0415
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the re-run broke")
+
+    monkeypatch.setattr(remedies, "_finite_step", broken)
+    log = tf.math.log
+    x = np.array([[1.0], [0.0]], "float32")
+    d = diagnose(root_and_log_model(), (x, np.ones((2, 1), "float32")))
+    assert d.remedy.endswith("tf.math.log(tf.maximum(x, 1.19e-07)) (or the loss from logits, from_logits=True)")
+    assert d.verified == "not verified: the re-run with the remedy failed (RuntimeError: the re-run broke)"
+    assert tf.math.log is log
+
+
+def test_the_doctor_never_raises_into_fit_when_a_divergence_check_fails(monkeypatch):
+    from companion.diagnostics import remedies  # noqa: PLC0415
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the re-run broke")
+
+    monkeypatch.setattr(remedies, "_rerun_steps", broken)
+    model, x, y = regression(5e-3)
+    doctor, history = fit_with_doctor(model, x, y)
+    assert doctor.diagnosis.cause == "divergence"
+    assert doctor.diagnosis.verified == ("not verified: the re-run with the remedy failed "
+                                         "(RuntimeError: the re-run broke)")
+    assert isinstance(history, keras.callbacks.History)  # fit returned: nothing was raised into it
+    assert doctor.diagnosis.remedy.startswith("recompile with a learning rate ten times smaller")
+    monkeypatch.setattr(callback_module.NaNDoctor, "_steps_to", broken)
+    model, x, y = regression(5e-3)
+    doctor, history = fit_with_doctor(model, x, y)
+    assert doctor.diagnosis.verified == ("not verified: the re-run of fit's steps failed "
+                                         "(RuntimeError: the re-run broke)")
+    assert doctor.diagnosis.remedy.startswith("recompile with a learning rate ten times smaller")
+
+
+def test_fit_with_shuffle_keeps_only_the_batches_it_can_re_run_and_says_from_where(monkeypatch):
+    monkeypatch.setattr(callback_module, "MAX_STEPS", 3)  # fit's 7 steps are too many: this epoch's 3
+    model, x, y = regression(5e-3)
+    doctor, _ = fit_with_doctor(model, x, y, shuffle=True)
+    assert doctor.batch == (1, 2)
+    assert "the 3 steps from the start of epoch 1 (fit shuffled the rows; the doctor kept this epoch's " \
+           "batches) to the failing one re-run with it" in doctor.diagnosis.verified
+    assert not doctor._tapped  # and nothing is kept after fit
+    monkeypatch.setattr(callback_module, "MAX_STEPS", 2)  # not even this epoch's: the failing step's own
+    model, x, y = regression(5e-3)
+    doctor, _ = fit_with_doctor(model, x, y, shuffle=True)
+    assert doctor.diagnosis.verified.endswith("(the failing step re-run from the weights before it)")

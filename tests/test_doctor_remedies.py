@@ -566,6 +566,9 @@ def test_the_first_remedy_of_a_rebuilt_report_applied_as_printed_makes_the_step_
     assert len(first) == 2, f"no remedy printed:\n{d}"
     assert case.remedy in " ".join(first[1].split()), str(d)
     assert d.remedy is not None and case.remedy in d.remedy
+    # The doctor's own check of its remedy, on a copy of the failing step (every one is mechanical).
+    assert d.verified is not None and d.verified.startswith("verified: the step is finite "), str(d)
+    assert f"  checked:   verified:" in str(d)
     assert finite_after_remedy(case), f"{case.id}: the remedy {d.remedy!r} does not cure"
 
 
@@ -819,6 +822,42 @@ FIXED = {
 }
 
 
+#: The reported cases whose first remedy is not one mechanical change, so the doctor claims
+#: nothing (``verified`` is None), and why; every other case's remedy is verified.
+NOT_MECHANICAL = {
+    "where_log": "a double where rewrites the whole tf.where expression, not one call",
+    "where_exp_overflow": "a double where",
+    "where_pow_exp": "a double where",
+    "where_reciprocal": "a double where",
+    "naive_softplus": "log(1 + exp(x)) replaced by softplus: a formula, not a clamp of one call",
+    "naive_softmax": "exp(x) / reduce_sum(exp(x)) replaced by softmax: a formula",
+    "cosine_of_zero_vector": "x / norm(x) replaced by l2_normalize: a formula",
+    "masked_attention_row": "-inf replaced by a finite constant: a literal on the line, not a call",
+}
+
+#: What the doctor's check says it applied, for each mechanical first remedy.
+VERIFIED_WITH = {
+    "keras_normalize_zero_vector": "jit_compile=False",
+    "float16_square": "net/energy's dtype policy float32",
+    "float16_exp": "net/growth's dtype policy float32",
+    "data_with_nan": "without row 1",
+    "exploding_learning_rate": "learning_rate=0.1 (the 17 steps from the start of fit",
+    "focal_loss_pow": "safe_pow instead of pow at test_doctor_reports.py:",
+    "negative_base_pow": "signed_pow instead of pow at test_doctor_reports.py:",
+    "dice_without_smoothing": "divide_no_nan instead of the division at test_doctor_reports.py:",
+    "normalize_zero_rows": "divide_no_nan instead of the division at test_doctor_reports.py:",
+    "acos_of_clipped_cosine": "acos's input clipped to [-1 + 1.19e-07, 1 - 1.19e-07] at",
+    "complex_angle": "angle's input moved by 1.19e-07 at",
+    "atan2_at_origin": "atan2's x moved by 1.19e-07 at",
+    "lgamma_at_zero": "lgamma's input clamped at 1.19e-07 at",
+}
+
+
+#: The cases whose remedy changes the model, the data or the optimizer, not a line.
+MODEL_REMEDIES = {"keras_normalize_zero_vector", "float16_square", "float16_exp", "data_with_nan",
+                  "exploding_learning_rate"}
+
+
 def _fixed_run(case, mode):
     """The case with its remedy applied, run as its reporter ran it: the diagnosis (None: finite)."""
     if case.id == "keras_normalize_zero_vector":  # compile without XLA, as printed
@@ -850,7 +889,20 @@ def test_the_first_remedy_of_a_reported_case_applied_as_printed_makes_its_step_f
     assert str(d).index("  remedy:") < str(d).index("  fix:")  # printed first
     if case.line:
         assert d.source == f"{reports.HERE}:{reports.marked(case.id)}"
+    if case.id in NOT_MECHANICAL:
+        assert d.verified is None, f"{case.id}: a claim about a remedy that was not applied: {d.verified}"
+    else:  # the doctor applied its remedy to a copy of the failing step, and it cured it
+        assert d.verified is not None and d.verified.startswith("verified: the step is finite "), str(d)
+        clamp = "sqrt's input clamped at 1.19e-07" if "sqrt" in expected else "log's input clamped at 1.19e-07"
+        assert VERIFIED_WITH.get(case.id, clamp) in d.verified, d.verified
+        if case.id not in MODEL_REMEDIES:  # a clamp applied on the case's own line, and only there
+            assert d.verified.endswith(f" at test_doctor_reports.py:{reports.marked(case.id)}"), d.verified
     assert _fixed_run(case, mode) is None, f"{case.id}: the remedy {d.remedy!r} does not cure"
+
+
+def test_every_reported_case_is_either_verified_or_said_not_mechanical():
+    assert set(NOT_MECHANICAL) <= {case.id for case in reports.CASES}
+    assert not set(NOT_MECHANICAL) & set(VERIFIED_WITH)
 
 
 def test_there_are_at_least_40_rebuilt_reports_whose_first_remedy_cures():

@@ -436,8 +436,8 @@ def run(case: Case, mode: str):
     learning_rate = 1.0 if case.cause == "divergence" else 1e-3
     model.compile(loss=loss, optimizer=keras.optimizers.SGD(learning_rate))
     doctor = NaNDoctor(verbose=False)
-    if mode == "fit_arrays":
-        model.fit(x, y, batch_size=4, epochs=3, verbose=0, shuffle=False, callbacks=[doctor])
+    if mode in ("fit_arrays", "fit_shuffled"):
+        model.fit(x, y, batch_size=4, epochs=3, verbose=0, shuffle=mode == "fit_shuffled", callbacks=[doctor])
     else:
         data = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
         model.fit(data, epochs=1, verbose=0, callbacks=[doctor])
@@ -454,6 +454,29 @@ def test_the_doctor_names_cause_op_layer_and_line_of_a_reported_nan(case, mode, 
         assert diagnosis.source == f"{HERE}:{marked(case.id)}", str(diagnosis)
     assert diagnosis.cause in CAUSES and diagnosis.section == CAUSES[diagnosis.cause].section
     assert all(len(line) <= 80 for line in str(diagnosis).splitlines())
+
+
+SHUFFLED = [pytest.param(case, id=case.id) for case in CASES if "fit_arrays" in case.modes]
+
+
+@pytest.mark.parametrize("case", SHUFFLED)
+def test_fit_with_shuffle_gets_the_same_diagnosis_from_the_rows_fit_trained_on(case, float32_policy, tmp_path):
+    from companion.diagnostics.capsule import load  # noqa: PLC0415
+
+    keras.utils.set_random_seed(1)
+    diagnosis = run(case, "fit_shuffled")  # Keras permutes the rows of each epoch
+    assert diagnosis is not None, f"{case.id} ({case.url}) not found with shuffle=True"
+    got = (diagnosis.cause, diagnosis.op, diagnosis.forward_op, diagnosis.layer)
+    assert got == (case.cause, case.op, case.forward_op, case.layer), str(diagnosis)
+    if case.line:
+        assert diagnosis.source == f"{HERE}:{marked(case.id)}", str(diagnosis)
+    x = load(diagnosis.save(tmp_path / "step.npz")).batch[0]  # the rows of the failing step, as trained
+    if case.cause == "nonfinite_input":
+        (row,) = np.nonzero(~np.isfinite(x).all(axis=1))[0]
+        assert diagnosis.verified == f"verified: the step is finite without row {row}"
+    if case.cause == "divergence":
+        assert diagnosis.verified.startswith("verified: the step is finite with learning_rate=0.1 (the ")
+        assert "steps from the start of fit to the failing one re-run with it" in diagnosis.verified
 
 
 def test_there_are_at_least_25_reported_cases_each_with_its_own_report():

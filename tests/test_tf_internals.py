@@ -209,6 +209,34 @@ def test_keras_fit_is_on_the_stack_of_a_callback_with_its_arguments():
     assert found[0]["x"] is x and found[0]["batch_size"] == 2
 
 
+def test_keras_fit_shuffled_batches_can_be_tapped_in_the_order_fit_trains_on_them():
+    tapped, trained = [], []
+
+    class Tap(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.remove = _tf_internals.tap_fit_batches(sys._getframe(1), tapped.append)
+
+        def on_train_end(self, logs=None):
+            self.remove()
+
+    class Seen(keras.layers.Layer):
+        def call(self, x):
+            if hasattr(x, "numpy"):  # the steps (run eagerly), not the symbolic build
+                trained.append(x.numpy().copy())
+            return x
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((1,)), Seen(), keras.layers.Dense(1)])
+    model.compile(loss="mse", optimizer="sgd", run_eagerly=True)
+    x = np.arange(12, dtype="float32").reshape(12, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", _tf_internals.InternalAPIWarning)
+        model.fit(x, x, batch_size=4, epochs=2, shuffle=True, verbose=0, callbacks=[Tap()])
+    assert len(tapped) == len(trained) == 6
+    assert all(np.array_equal(t[0], s) for t, s in zip(tapped, trained))  # the same rows, in order
+    assert not np.array_equal(np.concatenate([t[0] for t in tapped[:3]]), x)  # and fit did shuffle them
+
+
 def test_xla_failure_text_is_recognised():
     @tf.function(jit_compile=True)
     def host_only(x):

@@ -26,7 +26,9 @@ The package, one idea per module: ``gradients`` (per-variable records), ``source
 restored, so the doctor changes nothing), ``hooks`` (the diagnosis of the first
 step :func:`companion.training.train` skips, under any strategy and on every worker),
 ``step`` (a model's own ``train_step`` as the doctor runs it, and which non-finite op
-is the culprit), ``remedies`` (a remedy for the case, tried on the failing step),
+is the culprit), ``remedies`` (a remedy for the case, applied to a copy of the failing step and
+verified: a clamp on the user's line, a layer's float32 policy, the batch without its
+NaN rows, or a smaller learning rate or ``clipnorm`` re-run over ``fit``'s steps),
 ``capsule`` (:meth:`Diagnosis.save` and :func:`replay`) and ``__main__``
 (``python -m companion.diagnostics``).
 """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 import warnings
 import weakref
 from typing import Any, Callable
@@ -13,7 +14,9 @@ import tensorflow as tf
 
 from companion import _tf_internals
 from companion._gradients import all_finite
+from companion.diagnostics.data import _unpack, batches
 from companion.diagnostics.doctor import Diagnosis, diagnose, replace
+from companion.diagnostics.remedies import LOW_PRECISION, MAX_STEPS, Steps, verify
 from companion.diagnostics.step import step_variables
 
 __all__ = ["NaNDoctor"]
@@ -36,7 +39,14 @@ class NaNDoctor(keras.callbacks.Callback):
     :func:`diagnose` on that step's batch (the data ``fit`` was given, in order, or
     ``data``) — the compiled loss, or the model's own ``train_step`` if it has one or
     no compiled loss — prints the :class:`Diagnosis` and, by default, stops training,
-    like :class:`keras.callbacks.TerminateOnNaN`.
+    like :class:`keras.callbacks.TerminateOnNaN`. When ``fit`` shuffles arrays
+    (``shuffle=True``, its default), the rows of a step are Keras' own permutation: the
+    callback then keeps the batches ``fit``'s pipeline yields, so the diagnosis and the
+    capsule hold the rows ``fit`` trained on at that step. For a divergence, the
+    remedy (a learning rate ten times smaller, or ``clipnorm=1.0``) is verified by
+    re-running ``fit``'s steps from its start (the weights copied before its first
+    batch) to the failing one with it, after a control re-run without it that must
+    fail as ``fit`` did.
 
     The doctor never breaks the run it watches: any failure of its own is a
     ``RuntimeWarning``, and training goes on (or stops only as ``stop_training`` says).
@@ -91,11 +101,21 @@ class NaNDoctor(keras.callbacks.Callback):
 
     def _reset(self) -> None:
         self._before = None  # the variables' values before the running batch
+        self._start = None  # ... before fit's first step, and before the epoch's first step
+        self._epoch_start = None
+        self._epoch_first = 0  # the index (counted from fit's start) of the epoch's first step
+        self._epoch_steps: list[int] = []  # the steps fit ran in each epoch
         self._losses: list[float] = []
         self._epoch = 0
         self._done = False
         self._functions = None
         self._steps = 0
+        self._shuffled = False  # fit shuffles the rows of arrays
+        self._tapped: dict[int, Any] = {}  # step index (from fit's start) -> the batch fit trained on
+        self._tapped_bytes = 0
+        self._lock = threading.Lock()
+        self._produced = 0
+        self._untap = None
 
     def _warn(self, what: str, error: BaseException) -> None:
         warnings.warn(f"the NaN doctor {what}: {error!r}; training goes on without it", RuntimeWarning, stacklevel=3)
@@ -111,12 +131,53 @@ class NaNDoctor(keras.callbacks.Callback):
                 found = _tf_internals.running_fit_arguments(sys._getframe(1))
                 if found is not None:
                     self._fit_data = found
+            self._tap(sys._getframe(1))
         except Exception as error:  # pragma: no cover - the doctor never ends a run
             self._done = True
             self._warn("could not start", error)
 
+    def _tap(self, frame) -> None:
+        """When fit shuffles arrays, keep the batches it trains on (Keras' permutation is its own)."""
+        found = _tf_internals.running_fit_locals(frame, ("x", "shuffle", "steps_per_epoch"))
+        if found is None or not found["shuffle"] or not _is_arrays(found["x"]):
+            return
+        self._shuffled = True
+        if getattr(self.model, "steps_per_execution", 1) != 1:
+            return  # several steps per callback call: the steps are not told apart
+
+        def record(batch) -> None:  # called from tf.data's thread
+            size = sum(int(np.asarray(v).nbytes) for v in tf.nest.flatten(batch))
+            with self._lock:
+                self._tapped[self._produced] = batch
+                self._tapped_bytes += size
+                self._produced += 1
+
+        self._untap = _tf_internals.tap_fit_batches(frame, record)
+
+    def on_train_end(self, logs=None) -> None:
+        untap, self._untap = self._untap, None
+        self._tapped = {}
+        if untap is not None:
+            try:
+                untap()
+            except Exception as error:  # pragma: no cover - the doctor never ends a run
+                self._warn("could not remove its tap of fit's batches", error)
+
     def on_epoch_begin(self, epoch, logs=None) -> None:
         self._epoch = epoch
+        self._epoch_first = self._steps
+        self._epoch_steps.append(0)
+        self._epoch_start = None
+        if self._steps > MAX_STEPS or self._tapped_bytes > MAX_KEPT_BYTES:
+            # fit's batches from its start would be too many to keep (or to re-run): this epoch's only
+            self._forget(self._steps)
+
+    def _forget(self, before: int) -> None:
+        """Drop the kept batches of the steps before ``before``."""
+        with self._lock:
+            for index in [i for i in list(self._tapped) if i < before]:
+                batch = self._tapped.pop(index)
+                self._tapped_bytes -= sum(int(np.asarray(v).nbytes) for v in tf.nest.flatten(batch))
 
     def on_train_batch_begin(self, batch, logs=None) -> None:
         if self._done:
@@ -126,6 +187,10 @@ class NaNDoctor(keras.callbacks.Callback):
                 self._functions = _functions(self.model)
             if self._before is None:
                 self._before = self._functions.copy()  # asynchronous: nothing is read back
+            if self._start is None:
+                self._start = self._before  # the same tensors: no copy
+            if self._epoch_start is None:
+                self._epoch_start = self._before
         except Exception as error:
             self._done = True
             self._warn("could not copy the weights", error)
@@ -142,10 +207,19 @@ class NaNDoctor(keras.callbacks.Callback):
                 self._functions = functions = _functions(self.model)
                 weights_ok, after = bool(functions.finite_now()), functions.copy()
                 if self._before is not None and len(self._before) != len(after):
-                    self._before = _extended(old, self._before, functions, after)
+                    extended = _extended(old, self._before, functions, after)
+                    if self._start is self._before:
+                        self._start = extended
+                    if self._epoch_start is self._before:
+                        self._epoch_start = extended
+                    self._before = extended
             else:
                 weights_ok, after = functions.check_and_copy()
             self._steps += 1
+            if self._epoch_steps:
+                self._epoch_steps[-1] += 1
+            if self._tapped and (self._steps - self._epoch_first > MAX_STEPS or self._tapped_bytes > MAX_KEPT_BYTES):
+                self._forget(self._steps - 1)  # too many to re-run from the epoch's start: the step's own only
             if not bad_logs and weights_ok:
                 if logs and "loss" in logs:
                     self._losses.append(_as_float(logs["loss"]))
@@ -204,11 +278,78 @@ class NaNDoctor(keras.callbacks.Callback):
                 data = (tuple(data),)  # fit's x=(a, b, c) is one multi-input x, not (x, y, sample_weight)
         else:
             kwargs = {}
-        # The step's own batch first (fit's order, if unshuffled), then a scan from the start.
-        found = diagnose(self.model, data, self.loss, skip_batches=step, max_batches=1, losses_before=self._losses, **kwargs)
+        index = self._steps - 1  # the failing step, counted from fit's start
+        trained = self._tapped.get(index)
+        found = None
+        if trained is not None:  # the rows fit shuffled into this step, as it trained on them
+            found = diagnose(self.model, iter([trained]), self.loss, losses_before=self._losses)
+            if found is not None:
+                found = replace(found, batch=step)
+        elif not self._shuffled:  # the step's own batch first (fit's order), then a scan from the start
+            found = diagnose(self.model, data, self.loss, skip_batches=step, max_batches=1,
+                             losses_before=self._losses, **kwargs)
         if found is not None:
-            return replace(found, epoch=self._epoch)
+            found = replace(found, epoch=self._epoch)
+            return self._verify_run(found, data, kwargs, index)
+        # Not the step's batch (fit shuffled rows the doctor could not see, or it is finite
+        # when re-run): the first non-finite batch of the data, in order.
         return diagnose(self.model, data, self.loss, losses_before=self._losses, **kwargs)
+
+    def _verify_run(self, found: Diagnosis, data, kwargs, index: int) -> Diagnosis:
+        """A divergence's remedy re-run over fit's steps from the earliest state kept."""
+        if found.cause != "divergence" or found.dtype in LOW_PRECISION:
+            return found
+        try:
+            steps = self._steps_to(data, kwargs, index)
+            if steps is None:
+                return found
+            capsule = getattr(found, "_capsule", None) or {}
+            x, y, w = capsule.get("batch", (None, None, None))
+            return verify(found, self.model, None, x, y, w, steps=steps)
+        except Exception as error:  # the doctor never raises into fit: the check is said to have failed
+            return replace(found, verified=f"not verified: the re-run of fit's steps failed "
+                                           f"({type(error).__name__}: {error})"[:300])
+
+    def _steps_to(self, data, kwargs, index: int) -> Steps | None:
+        """fit's steps from the earliest state kept to step ``index``, with their batches."""
+        variables = self._functions.variables
+        if self._shuffled:
+            first, start = 0, self._start
+            if any(self._tapped.get(i) is None for i in range(index + 1)):  # only this epoch's are kept
+                first, start = self._epoch_first, self._epoch_start
+            known = [self._tapped.get(i) for i in range(first, index + 1)]
+            if start is None or any(b is None for b in known):
+                return None
+            origin = "the start of fit" if first == 0 else (
+                f"the start of epoch {self._epoch} (fit shuffled the rows; the doctor kept this epoch's batches)")
+
+            def shuffled():
+                for batch in known:
+                    yield _unpack(batch)
+
+            return Steps(variables, list(start), shuffled, len(known), origin)
+        if isinstance(data, tf.data.Dataset) or isinstance(data, keras.utils.PyDataset):
+            again = " (the dataset read again)"  # one that reshuffles gives another order
+        elif _is_arrays(data):
+            again = ""
+        else:  # a generator: reading it again would take batches from fit
+            return None
+        origin, start, counts = "the start of fit", self._start, list(self._epoch_steps)
+        if index + 1 > MAX_STEPS and self._epoch_start is not None:  # too long a re-run: from the epoch
+            origin, start, counts = f"the start of epoch {self._epoch}", self._epoch_start, counts[-1:]
+        if start is None:
+            return None
+        origin += again
+
+        def in_order():
+            for count in counts:  # each epoch: its first `count` batches, in order
+                for number, batch in enumerate(batches(data, kwargs.get("y"), kwargs.get("sample_weight"),
+                                                       kwargs.get("batch_size"))):
+                    if number >= count:
+                        break
+                    yield batch
+
+        return Steps(variables, list(start), in_order, sum(counts), origin)
 
 
 def _extended(old: "_Functions", before: list, new: "_Functions", after: list) -> list:
@@ -229,6 +370,16 @@ def _extended(old: "_Functions", before: list, new: "_Functions", after: list) -
         keeps = "scale" in name or "learning_rate" in name
         values.append(value if keeps else tf.zeros_like(value))
     return values
+
+
+#: The most bytes of fit's shuffled batches the doctor keeps (beyond: the epoch's, then the step's own only).
+MAX_KEPT_BYTES = 64 * 2**20
+
+
+def _is_arrays(x) -> bool:
+    """Whether ``x`` is what Keras' array adapter takes (and so shuffles): arrays, nested."""
+    leaves = tf.nest.flatten(x)
+    return bool(leaves) and all(isinstance(v, (np.ndarray, tf.Tensor)) or hasattr(v, "__array__") for v in leaves)
 
 
 def _as_float(value) -> float:

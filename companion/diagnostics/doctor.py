@@ -75,11 +75,17 @@ class Diagnosis:
             the worker whose shard made the NaN; else ``None``.
         epoch: the epoch (0-based) of the ``fit`` or ``train`` step, when the doctor ran
             inside one (``batch`` is then counted within that epoch); else ``None``.
-        remedy: the remedy chosen for this case from the op and its context, where one
-            is mechanical (an overflow in a float16 layer: that layer's float32
-            policy; a NaN in the data: the step without those rows); else ``None``.
-        verified: whether that remedy, applied to the failing step, makes it finite:
-            ``"verified: the step is finite with ..."`` or ``"not verified: ..."``.
+        remedy: the first remedy for this case, from the op and its context: the call
+            to write instead on the user's line (a clamp of the op's input), a float16
+            layer's float32 policy, the batch without its NaN rows, or for a
+            divergence the optimizer with a learning rate ten times smaller or else
+            with ``clipnorm=1.0`` (the first that verifies); ``None`` if none.
+        verified: what the doctor found when it applied that remedy to a copy of the
+            failing step (:mod:`~companion.diagnostics.remedies` says how, for each
+            kind): ``"verified: the step is finite with ..."`` or ``"not verified:
+            ..."`` and why; ``None`` when the remedy is not one mechanical change (a
+            double ``where``, a formula replaced by ``softplus``) and nothing was
+            checked.
 
     A diagnosis made by :func:`diagnose` (and so by :class:`NaNDoctor` and ``train``)
     also keeps the failing step's state in memory: :meth:`save` writes it to a file

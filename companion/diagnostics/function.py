@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from companion._gradients import gradient_values
 from companion.diagnostics.doctor import Diagnosis, from_event, keep_state
-from companion.diagnostics.remedies import choose
+from companion.diagnostics.remedies import _choice, verify_clamp
 from companion.diagnostics.step import culprit
 from companion.diagnostics.trace import OpTracer, eager_trace, nonfinite_mask
 
@@ -83,10 +83,35 @@ def diagnose_function(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Diag
     found = from_event(
         event, tracer, index=None, variables=(), disagreement=None, loss_finite=event.backward, losses_before=()
     )
-    remedy = choose(found)
+    remedy, verified = _remedy(found, tracer, fn, args, kwargs)
     if remedy is not None:
-        found = dataclasses.replace(found, remedy=remedy)
+        found = dataclasses.replace(found, remedy=remedy, verified=verified)
     return keep_state(found, _arguments_state(args, kwargs))
+
+
+def _finite_run(fn, args, kwargs) -> tuple[bool, OpTracer]:
+    """Whether ``fn`` run op by op is finite as :func:`diagnose_function` judges it."""
+    tracer = OpTracer()
+    with eager_trace(tracer):
+        result = fn(*args, **kwargs)
+    return (not tracer.events or (_all_finite_results(result) and not tracer.nonfinite_writes)), tracer
+
+
+def _remedy(found, tracer, fn, args, kwargs) -> tuple[str | None, str | None]:
+    """The first remedy, and ``fn`` re-run once with it applied on the user's line (never raises)."""
+    try:
+        remedy, clamp = _choice(found)
+    except Exception:  # noqa: BLE001 - the doctor's own failure is never the user's
+        return None, None
+    if remedy is None or clamp is None:
+        return remedy, None
+    if tracer.writes:
+        return remedy, ("not verified: the function writes variables (an optimizer step, a metric): the "
+                        "doctor does not run it a second time")
+    try:
+        return remedy, verify_clamp(found, clamp, lambda: _finite_run(fn, args, kwargs)[0])
+    except Exception as error:  # noqa: BLE001
+        return remedy, f"not verified: the re-run with the remedy failed ({type(error).__name__}: {error})"[:300]
 
 
 def _arguments_state(args, kwargs) -> dict | None:

@@ -10,7 +10,8 @@ case's, where it is mechanical and can be tried on the failing step itself:
 * a NaN or Inf in the batch: the step without the rows that hold it (clean or drop them
   in the input pipeline);
 * values that grew over the previous steps (``divergence``): the optimizer as compiled
-  with a learning rate ten times smaller (written as the call to make);
+  with a learning rate ten times smaller, or else with ``clipnorm=1.0`` (written as the
+  call to make): the first of the two that verifies;
 * anything else: :func:`choose` writes the call to write instead on the user's own line,
   from the op (for a gradient op, the forward op), the cause, and the line's text and
   the two after it (where the op's input came from: a norm in a denominator, an
@@ -18,19 +19,53 @@ case's, where it is mechanical and can be tried on the failing step itself:
   (it is inside a TensorFlow or Keras function the user cannot edit) the remedy says
   so and clamps that function's input instead.
 
-:func:`verify` applies the remedy to the model for one re-run of the failing step (the
-state the doctor saved, every variable restored afterwards, the layer's policy put
-back) and says ``"verified: the step is finite with ..."`` or that it is not.
+:func:`verify` applies the remedy to a copy of the failing step and says
+``"verified: the step is finite with ..."`` or ``"not verified: ..."`` (why), and every
+variable, the layer's policy, the optimizer's learning rate and ``clipnorm`` and every
+patched function are put back afterwards, also when the re-run fails. What is verified:
+
+* the float32 policy and the dropped rows: the failing step re-run once with them;
+* a smaller learning rate and ``clipnorm``: the training steps re-run with them
+  (``model.train_step``, eagerly) from the earliest state the doctor has: under
+  :class:`~companion.diagnostics.NaNDoctor`, the start of ``fit`` (or of the epoch,
+  when ``fit`` shuffled the rows and only this epoch's batches are known), every
+  step up to the failing one; under :func:`~companion.diagnostics.diagnose` alone,
+  the failing step from the weights before it (the report says which). First without
+  the remedy, as a control that must fail as ``fit`` did; the remedy verifies if every
+  step is then finite and no logged value grows step after step. Not under a
+  distribution strategy of several replicas (an update outside it would wait for the
+  other replicas): "not verified", and why;
+* a clamp written on the user's line (``tf.sqrt(tf.maximum(x, eps))``, the clamped
+  ``log``, ``lgamma``, ``rsqrt``, ``acos``/``asin`` input, ``exp(minimum(x, limit))``,
+  ``atan2``/``angle`` moved off the origin, ``divide_no_nan``, ``safe_pow``/``signed_pow``,
+  a norm's clamped square): the failing step re-run eagerly with the function the line
+  spells (for ``x / y``, the tensor's division operator) replaced, only for calls
+  made from that file and line, by the form the remedy prints (in
+  :func:`~companion.diagnostics.diagnose_function`, the function called again, unless
+  it wrote a variable);
+* ``jit_compile=False`` for a step that only XLA makes non-finite: the step re-run
+  compiled without XLA.
+
+A remedy that is not a mechanical rewrite of one call (a double ``where``, a finite
+mask instead of ``-inf``, ``softplus``/``softmax``/``l2_normalize`` for a formula, a
+choice for a library function's input) is printed with no ``verified`` (no claim), and
+so is a clamp whose call the re-run never made from that line. A failure of the check
+itself is a ``"not verified: ..."`` sentence, never an exception.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Iterable
 
+import builtins
+import contextlib
+import dataclasses
+import functools
 import linecache
 import math
 import os
 import re
+import sys
 
 import keras
 import numpy as np
@@ -39,9 +74,12 @@ import tensorflow as tf
 from companion import _tf_internals
 from companion.diagnostics.data import nonfinite_data
 from companion.diagnostics.sources import layer_path
+from companion.diagnostics.state import restore, snapshot
+from companion.diagnostics.causes import grew
+from companion.diagnostics.step import logs_values, pack, step_variables, written_variables
 from companion.diagnostics.trace import nonfinite_mask
 
-__all__ = ["choose", "verify"]
+__all__ = ["Steps", "choose", "verify"]
 
 LOW_PRECISION = ("float16", "bfloat16")
 
@@ -55,17 +93,22 @@ def _layer(model, path: str | None):
     return None
 
 
-def _finite_step(model, loss_fn, x, y, w) -> bool:
+def _finite_step(model, loss_fn, x, y, w, eager: bool = False, graph: bool = False) -> bool:
     """Whether one scanning step on this batch is finite; changes nothing.
 
-    Eagerly for a compiled model's loss: a check of one batch needs no trace, and a new
-    ``tf.function`` per check would count as retracing the doctor's scanning step.
+    Eagerly for a compiled model's loss (and for a model's own ``train_step`` if
+    ``eager``: a patched call is then seen from the user's own line): a check of one
+    batch needs no trace, and a new ``tf.function`` per check would count as retracing
+    the doctor's scanning step. ``graph``: a ``tf.function`` without XLA, for both.
     """
     from companion.diagnostics.doctor import _compiled_step, _run_scan_step  # noqa: PLC0415
     from companion.diagnostics.step import OwnStepScan  # noqa: PLC0415
 
     own = loss_fn is None
-    step = OwnStepScan(model, False) if own else _compiled_step(model, loss_fn, None)
+    if graph:
+        step = OwnStepScan(model, False) if own else _compiled_step(model, loss_fn, False)
+    else:
+        step = OwnStepScan(model, None if eager else False) if own else _compiled_step(model, loss_fn, None)
     ok, bad, _ = _run_scan_step(model, step, own, x, y, w)
     return ok and not bad
 
@@ -87,14 +130,25 @@ def _without(part, keep):
     return tf.nest.map_structure(lambda v: tf.gather(tf.convert_to_tensor(v), keep), part)
 
 
-def verify(diagnosis: Any, model: Any, loss_fn: Any, x, y, w) -> Any:
-    """``diagnosis`` with ``remedy`` and ``verified`` set, where a mechanical remedy applies."""
+def verify(diagnosis: Any, model: Any, loss_fn: Any, x, y, w, steps: "Steps | None" = None) -> Any:
+    """``diagnosis`` with ``remedy`` and ``verified`` set, where a mechanical remedy applies.
+
+    ``steps`` (from :class:`~companion.diagnostics.NaNDoctor`) are the training steps
+    from the earliest state the doctor kept to the failing one, for a remedy of a
+    divergence; without them the failing step alone is re-run. Never raises: a failure
+    of the check is a ``"not verified: ..."`` sentence.
+    """
     if diagnosis is None or not isinstance(model, keras.Model):
         return diagnosis
     try:
-        found = _verify(diagnosis, model, loss_fn, x, y, w)
+        found = _verify(diagnosis, model, loss_fn, x, y, w, steps)
     except Exception as error:  # the doctor's own failure: said, not raised
-        found = (None, f"not verified: the re-run with the remedy failed ({type(error).__name__}: {error})"[:300])
+        remedy = None
+        try:
+            remedy = _smaller_learning_rate(model)[0] if diagnosis.cause == "divergence" else choose(diagnosis)
+        except Exception:  # noqa: BLE001 - the doctor never raises into fit
+            pass
+        found = (remedy, f"not verified: the re-run with the remedy failed ({type(error).__name__}: {error})"[:300])
     if found is None:
         remedy = choose(diagnosis)
         if remedy is None or diagnosis.remedy:
@@ -106,7 +160,7 @@ def verify(diagnosis: Any, model: Any, loss_fn: Any, x, y, w) -> Any:
     return replace(diagnosis, remedy=remedy if remedy is not None else diagnosis.remedy, verified=verified)
 
 
-def _verify(d, model, loss_fn, x, y, w):
+def _verify(d, model, loss_fn, x, y, w, steps=None):
     if d.cause in ("overflow", "divergence") and d.dtype in LOW_PRECISION:
         layer = _layer(model, d.layer)
         if layer is None:
@@ -123,7 +177,12 @@ def _verify(d, model, loss_fn, x, y, w):
         return remedy, (f"verified: the step is finite with {what}" if finite
                         else f"not verified: the step is still non-finite with {what}")
     if d.cause == "divergence":
-        return _smaller_learning_rate(model)
+        return _verify_divergence(d, model, x, y, w, steps)
+    if d.cause == "compiled_only" and getattr(model, "jit_compile", False):
+        finite = _finite_step(model, loss_fn, x, y, w, graph=True)
+        return choose(d), ("verified: the step is finite with jit_compile=False (the same step compiled "
+                           "without XLA)" if finite else
+                           "not verified: the step compiled without XLA (jit_compile=False) is still non-finite")
     if d.cause == "nonfinite_input":
         rows = _rows((x, y, w))
         if rows is None or not len(rows):
@@ -138,7 +197,179 @@ def _verify(d, model, loss_fn, x, y, w):
         finite = _finite_step(model, loss_fn, _without(x, keep), _without(y, keep), _without(w, keep))
         return remedy, (f"verified: the step is finite without {label}" if finite
                         else f"not verified: the step is still non-finite without {label}")
-    return None
+    remedy, clamp = _choice(d)
+    if remedy is None or clamp is None:
+        return None
+    return remedy, _verify_clamp(d, clamp, model, loss_fn, x, y, w)
+
+
+# --------------------------------------------------------------------------------------
+# A divergence: the steps re-run with a smaller learning rate, or with clipnorm
+# --------------------------------------------------------------------------------------
+
+
+#: The most training steps :func:`verify` re-runs (eagerly) to check a divergence's remedy.
+MAX_STEPS = 500
+
+
+@dataclasses.dataclass
+class Steps:
+    """Training steps to re-run with a remedy: from a kept state to the failing step.
+
+    Attributes:
+        variables: the variables whose values ``start`` holds (the model's, its
+            metrics', its optimizers').
+        start: their values at the first of the steps.
+        batches: a function returning the ``(x, y, sample_weight)`` batches of the
+            steps, in the order ``fit`` trained them, the failing one last.
+        count: how many steps that is.
+        origin: where they start, for the report (``"the start of fit"``).
+    """
+
+    variables: list
+    start: list
+    batches: Callable[[], Iterable[tuple[Any, Any, Any]]]
+    count: int
+    origin: str
+
+
+def _optimizer(model):
+    optimizer = getattr(model, "optimizer", None)
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        return None
+    inner = getattr(optimizer, "inner_optimizer", None)  # a LossScaleOptimizer's
+    return inner if isinstance(inner, keras.optimizers.Optimizer) else optimizer
+
+
+def _rate(optimizer) -> float | None:
+    rate = getattr(optimizer, "learning_rate", None)
+    try:
+        return float(np.asarray(rate.numpy() if hasattr(rate, "numpy") else rate))
+    except (TypeError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def _learning_rate(optimizer, value: float):
+    before = _rate(optimizer)
+    optimizer.learning_rate = value  # a TypeError for a LearningRateSchedule: said by the caller
+    try:
+        yield
+    finally:
+        optimizer.learning_rate = before
+
+
+@contextlib.contextmanager
+def _clipnorm(optimizer, value: float):
+    before = optimizer.clipnorm, optimizer.global_clipnorm, optimizer.clipvalue
+    optimizer.clipnorm, optimizer.global_clipnorm, optimizer.clipvalue = value, None, None
+    try:
+        yield
+    finally:
+        optimizer.clipnorm, optimizer.global_clipnorm, optimizer.clipvalue = before
+
+
+def _rerun_steps(model, steps: Steps, change) -> tuple[bool, int, str | None]:
+    """The steps re-run eagerly with ``change`` applied: ``(all finite, steps run, grown)``.
+
+    ``grown`` names a logged value that still grew step after step (by the rule that
+    calls a run a divergence, :func:`~companion.diagnostics.causes.grew`) though every
+    step was finite, with its first and last values; else ``None``. Every variable a
+    step writes (and the random generators' states) is put back afterwards, and
+    ``change`` is undone, also on an error.
+    """
+    saved = snapshot(step_variables(model))
+    history: dict[str, list[float]] = {}
+    try:
+        for variable, value in zip(steps.variables, steps.start):
+            variable.assign(value)
+        with change():
+            written = written_variables(model)
+            run = 0
+            for x, y, w in steps.batches():
+                run += 1
+                logs = model.train_step(pack(x, y, w))
+                finite = True
+                for name, value in logs_values(logs):
+                    array = np.asarray(tf.cast(value, tf.float32))
+                    finite = finite and bool(np.all(np.isfinite(array)))
+                    if array.size == 1:
+                        history.setdefault(name, []).append(float(array.reshape(-1)[0]))
+                finite = finite and all(bool(tf.reduce_all(tf.math.is_finite(v))) for v in written)
+                if not finite:
+                    return False, run, None
+        for name, values in history.items():
+            if grew(values):
+                return True, run, f"{name} {values[0]:.3g} -> {values[-1]:.3g}"
+        return True, run, None
+    finally:
+        restore(saved)
+
+
+def _where(run: int, count: int) -> str:
+    return "the failing step" if run == count else f"step {run} of the {count}"
+
+
+def _replicas(model) -> int:
+    strategy = getattr(model, "distribute_strategy", None)
+    return int(getattr(strategy, "num_replicas_in_sync", 1) or 1)
+
+
+def _verify_divergence(d, model, x, y, w, steps):
+    optimizer = _optimizer(model)
+    if optimizer is None:
+        return ("a learning rate ten times smaller in the optimizer (or clipnorm=1.0)",
+                "not verified: the model has no Keras optimizer to re-run the step with")
+    rate = _rate(optimizer)
+    name = type(optimizer).__name__
+    smaller = _smaller_learning_rate(model)[0]
+    if _replicas(model) > 1:  # an update on one replica, outside the strategy, would wait for the others
+        return smaller, (f"not verified: the doctor does not re-run training steps under a distribution "
+                         f"strategy of {_replicas(model)} replicas")
+    if steps is None:
+        if d.phase == "weights":
+            return smaller, ("not verified: the weights before the step are already non-finite; the steps "
+                             "that made them so are not in the data the doctor was given (run fit with "
+                             "NaNDoctor from the start)")
+        steps = Steps([], [], lambda: [(x, y, w)], 1, "the weights before it")
+    tries = []
+    if rate is not None:
+        tries.append((smaller, f"learning_rate={rate / 10:.3g}", lambda: _learning_rate(optimizer, rate / 10)))
+    if not (optimizer.clipnorm and optimizer.clipnorm <= 1.0):
+        shown = f"learning_rate={rate:.3g}, " if rate is not None else ""
+        tries.append((f"recompile with gradient clipping: keras.optimizers.{name}({shown}clipnorm=1.0) "
+                      "(each gradient's norm at most 1; the weights grew step after step)",
+                      "clipnorm=1.0", lambda: _clipnorm(optimizer, 1.0)))
+    if not tries:
+        return smaller, None
+    if steps.count == 1:
+        span = f"the failing step re-run from {steps.origin}"
+    else:
+        span = f"the {steps.count} steps from {steps.origin} to the failing one re-run with it"
+    if steps.count > MAX_STEPS:
+        return smaller, (f"not verified: the failing step is {steps.count} steps after {steps.origin}, the "
+                         f"earliest state the doctor kept (it re-runs at most {MAX_STEPS}, eagerly)")
+    reproduced, run_control, _ = _rerun_steps(model, steps, contextlib.nullcontext)
+    if reproduced:  # the control: without a remedy the re-run must fail as fit did
+        return smaller, (f"not verified: {span} without a remedy is finite as well (the re-run does not "
+                         "reproduce fit's failure, so it cannot show a cure)")
+    failures = []
+    for text, what, change in tries:
+        try:
+            finite, run, grown = _rerun_steps(model, steps, change)
+        except TypeError as error:  # a learning-rate schedule is not settable
+            failures.append(f"{what} could not be set ({str(error).splitlines()[0][:120]})")
+            continue
+        if finite and grown:
+            failures.append(f"with {what}, every step is finite but {grown} still grows step after step")
+        elif finite:
+            tried = "".join(f"; {failure}" for failure in failures)
+            return text, (f"verified: the step is finite with {what} ({span}, every logged value and weight "
+                          f"finite and none growing step after step; without it, "
+                          f"{_where(run_control, steps.count)} is not{tried})")
+        else:
+            failures.append(f"with {what}, {_where(run, steps.count)} is still non-finite")
+    return tries[0][0], f"not verified: {'; '.join(failures)} ({span})"
 
 
 # --------------------------------------------------------------------------------------
@@ -196,19 +427,21 @@ GENERIC = frozenset({"reduce_mean", "reduce_sum", "mean", "sum", "maximum", "min
                      "square", "add", "multiply", "subtract", "reshape", "concat", "stack"})
 
 
-def _inside_library(at: str, op: str, line: str, eps: float) -> str:
+def _inside_library(at: str, op: str, line: str, eps: float) -> tuple[str, "Clamp | None"]:
     """The remedy for an op inside a TensorFlow or Keras function the user calls and cannot edit."""
     norm = NORMS.search(line)
     if norm is not None and op == "Sqrt":
         name = norm.group(1)
         return (f"{at}the Sqrt is inside {name}, which you cannot edit: {name}(x, axis=a) -> "
                 f"tf.sqrt(tf.maximum(tf.reduce_sum(tf.square(x), axis=a), {eps:.3g})) (the norm's square "
-                "clamped: a finite value, and a zero gradient at 0)")
+                "clamped: a finite value, and a zero gradient at 0)",
+                Clamp((name.rpartition(".")[2],), _clamped_norm(name.rpartition(".")[2], eps),
+                      f"{name}'s square clamped at {eps:.3g}"))
     calls = [c for c in re.findall(r"([\w.]+)\(", line) if c.rpartition(".")[2] not in GENERIC]
     inside = calls[-1] if calls else "a library function"
     return (f"{at}the {op} is inside {inside}, which you cannot edit: keep its input off the edge "
             f"(tf.maximum(x, {eps:.3g}) for an input that reaches 0), or pass that function's own "
-            "epsilon argument")
+            "epsilon argument", None)
 
 
 def choose(d) -> str | None:
@@ -216,72 +449,285 @@ def choose(d) -> str | None:
 
     Chosen from the op (for a gradient op, the forward op it differentiates), the cause,
     the dtype, and the text of the user's line and the two after it. Mechanical
-    remedies that depend on the model (a layer's dtype policy, the learning rate, the
-    batch's rows) are :func:`verify`'s.
+    remedies that depend on the model (a layer's dtype policy, the learning rate or
+    ``clipnorm``, the batch's rows) are :func:`verify`'s, which also re-runs the failing
+    step with a clamp written here applied to the user's line.
     """
+    return _choice(d)[0]
+
+
+def _choice(d) -> tuple[str | None, "Clamp | None"]:
+    """``(remedy, clamp)``: :func:`choose`'s remedy, and how to apply it mechanically (or ``None``)."""
     if d is None or d.cause in ("nonfinite_input", "not_reproducible", "unclassified"):
-        return None
+        return None, None
     op = d.forward_op or d.op
     where, code = _context(d)
     at = f"at {where}: " if where else ""
     line = (d.code or "").strip()
     eps = _eps(d.dtype)
     if d.cause == "compiled_only":
-        return "compile without XLA: model.compile(..., jit_compile=False) (or tf.function(jit_compile=False))"
+        return "compile without XLA: model.compile(..., jit_compile=False) (or tf.function(jit_compile=False))", None
     if d.cause == "where_trap":
         return (f"{at}a double where: tf.where(c, f(x), y) -> tf.where(c, f(tf.where(c, x, 1.0)), y) "
-                "(companion.numerics.double_where(c, f, x, y)): the unselected branch sees a safe input")
+                "(companion.numerics.double_where(c, f, x, y)): the unselected branch sees a safe input"), None
     if d.cause == "inf_arithmetic" and re.search(r"-\s*(np\.|math\.|float\(\")?inf", code):
-        return f"{at}a large finite negative mask instead of -inf: -1e9 (float32) or -3e4 (float16)"
+        return f"{at}a large finite negative mask instead of -inf: -1e9 (float32) or -3e4 (float16)", None
     if not _spelled(op, line) and op in SPELLING and d.cause != "overflow":
         return _inside_library(at, op, line, eps)
+    spelled = (SPELLING.get(op, "").rpartition(".")[2],)
     if op == "Sqrt" and d.cause in ("singular_derivative", "domain_edge"):
         return (f"{at}tf.sqrt(x) -> tf.sqrt(tf.maximum(x, {eps:.3g})) (x clamped at {d.dtype or 'float32'}'s "
-                "eps: a finite value, and a zero gradient below it)")
+                "eps: a finite value, and a zero gradient below it)",
+                Clamp(spelled, _first(lambda x: tf.maximum(x, _like(eps, x))), f"sqrt's input clamped at {eps:.3g}"))
     if op == "Log" and d.cause in ("log_of_zero", "domain_edge"):
         return (f"{at}tf.math.log(x) -> tf.math.log(tf.maximum(x, {eps:.3g})) (or the loss from logits, "
-                "from_logits=True)")
+                "from_logits=True)",
+                Clamp(spelled, _first(lambda x: tf.maximum(x, _like(eps, x))), f"log's input clamped at {eps:.3g}"))
     if op == "Pow" and d.cause == "pow_negative_base":
-        return f"{at}tf.pow(x, p) -> companion.numerics.signed_pow(x, p) (sign(x) * |x|**p, finite gradients)"
+        return (f"{at}tf.pow(x, p) -> companion.numerics.signed_pow(x, p) (sign(x) * |x|**p, finite gradients)",
+                Clamp(spelled, _instead("signed_pow"), "signed_pow instead of pow"))
     if op == "Pow" and d.cause in ("singular_derivative", "division_by_zero"):
-        return f"{at}tf.pow(x, p) -> companion.numerics.safe_pow(x, p) (0 for x <= 0, finite gradients)"
+        return (f"{at}tf.pow(x, p) -> companion.numerics.safe_pow(x, p) (0 for x <= 0, finite gradients)",
+                Clamp(spelled, _instead("safe_pow"), "safe_pow instead of pow"))
     if op in ("Acos", "Asin"):
         name = SPELLING[op]
-        return f"{at}{name}(x) -> {name}(tf.clip_by_value(x, -1 + {eps:.3g}, 1 - {eps:.3g}))"
+        return (f"{at}{name}(x) -> {name}(tf.clip_by_value(x, -1 + {eps:.3g}, 1 - {eps:.3g}))",
+                Clamp(spelled, _first(lambda x: tf.clip_by_value(x, _like(-1 + eps, x), _like(1 - eps, x))),
+                      f"{spelled[0]}'s input clipped to [-1 + {eps:.3g}, 1 - {eps:.3g}]"))
     if op == "Atan2":
-        return f"{at}tf.atan2(y, x) -> tf.atan2(y, x + {eps:.3g}) (the point moved off the origin)"
+        return (f"{at}tf.atan2(y, x) -> tf.atan2(y, x + {eps:.3g}) (the point moved off the origin)",
+                Clamp(spelled, _second(lambda x: x + _like(eps, x)), f"atan2's x moved by {eps:.3g}"))
     if op == "Angle":
-        return f"{at}tf.math.angle(z) -> tf.math.angle(z + {eps:.3g}) (the point moved off the origin)"
+        return (f"{at}tf.math.angle(z) -> tf.math.angle(z + {eps:.3g}) (the point moved off the origin)",
+                Clamp(spelled, _first(lambda z: z + _like(eps, z)), f"angle's input moved by {eps:.3g}"))
     if op == "Lgamma":
-        return f"{at}tf.math.lgamma(x) -> tf.math.lgamma(tf.maximum(x, {eps:.3g})) (off the pole at 0)"
+        return (f"{at}tf.math.lgamma(x) -> tf.math.lgamma(tf.maximum(x, {eps:.3g})) (off the pole at 0)",
+                Clamp(spelled, _first(lambda x: tf.maximum(x, _like(eps, x))), f"lgamma's input clamped at {eps:.3g}"))
     if d.cause == "division_by_zero":
         if re.search(r"\b(tf\.norm|tf\.linalg\.norm|ops\.norm|euclidean_norm)\(", code):
             return (f"{at}x / norm(x) -> tf.math.l2_normalize(x, axis) (a norm in the denominator: "
-                    "tf.math.divide_no_nan leaves the norm's own 0/0 gradient)")
+                    "tf.math.divide_no_nan leaves the norm's own 0/0 gradient)"), None
         if op in ("Rsqrt",):
-            return f"{at}tf.math.rsqrt(x) -> tf.math.rsqrt(tf.maximum(x, {eps:.3g}))"
-        return f"{at}x / y -> tf.math.divide_no_nan(x, y) (0 where y == 0, and a zero gradient there)"
+            return (f"{at}tf.math.rsqrt(x) -> tf.math.rsqrt(tf.maximum(x, {eps:.3g}))",
+                    Clamp(spelled, _first(lambda x: tf.maximum(x, _like(eps, x))),
+                          f"rsqrt's input clamped at {eps:.3g}"))
+        return (f"{at}x / y -> tf.math.divide_no_nan(x, y) (0 where y == 0, and a zero gradient there)",
+                _division_clamp(line))
     if d.cause == "overflow" and op == "Exp":
         if re.search(r"log\(\s*1(\.0*)?\s*\+", code):
-            return f"{at}tf.math.log(1 + tf.exp(x)) -> tf.nn.softplus(x)"
+            return f"{at}tf.math.log(1 + tf.exp(x)) -> tf.nn.softplus(x)", None
         if re.search(r"reduce_sum\(", code):
-            return f"{at}exp(x) / reduce_sum(exp(x)) -> tf.nn.softmax(x, axis) (exp of x - max(x))"
+            return f"{at}exp(x) / reduce_sum(exp(x)) -> tf.nn.softmax(x, axis) (exp of x - max(x))", None
         limit = _exp_limit(d.dtype)
         return (f"{at}tf.exp(x) -> tf.exp(tf.minimum(x, {limit:g})) (half the log of "
-                f"{d.dtype or 'float32'}'s max: exp of it, even squared, is finite)")
-    return None
+                f"{d.dtype or 'float32'}'s max: exp of it, even squared, is finite)",
+                Clamp(("exp",), _first(lambda x: tf.minimum(x, _like(limit, x))), f"exp's input clamped at {limit:g}"))
+    return None, None
+
+
+# --------------------------------------------------------------------------------------
+# A clamp on the user's line, applied for one re-run of the failing step
+# --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Clamp:
+    """How :func:`verify` applies a remedy written against the user's line.
+
+    Attributes:
+        names: the last name of each callable the line may spell (``"sqrt"`` for
+            ``tf.sqrt(`` and ``tf.math.sqrt(``), or ``"/"`` for the division operator.
+        call: ``call(original, *args, **kwargs)``: the call as the remedy writes it.
+        what: the remedy in a few words, for the report.
+    """
+
+    names: tuple[str, ...]
+    call: Callable[..., Any]
+    what: str
+
+
+def _like(value: float, x):
+    x = tf.convert_to_tensor(x)
+    return tf.cast(value, x.dtype)
+
+
+def _first(clamp):
+    def call(original, x, *args, **kwargs):
+        return original(clamp(tf.convert_to_tensor(x)), *args, **kwargs)
+
+    return call
+
+
+def _second(clamp):
+    def call(original, y, x, *args, **kwargs):
+        return original(y, clamp(tf.convert_to_tensor(x)), *args, **kwargs)
+
+    return call
+
+
+def _instead(name: str):
+    def call(original, x, p, *args, **kwargs):
+        from companion import numerics  # noqa: PLC0415 - numerics is not the doctor's import
+
+        return getattr(numerics, name)(x, p)
+
+    return call
+
+
+def _clamped_norm(name: str, eps: float):
+    """``sqrt(maximum(reduce_sum(square(x), axis), eps))`` for a call of ``tf.norm``-like ``name``."""
+
+    def call(original, x, *args, **kwargs):
+        if name == "reduce_euclidean_norm":
+            axis = args[0] if args else kwargs.get("axis")
+            keepdims = args[1] if len(args) > 1 else kwargs.get("keepdims", False)
+        else:
+            order = args[0] if args else kwargs.get("ord", None)
+            if order not in (None, "euclidean", 2, 2.0, "fro"):
+                return original(x, *args, **kwargs)  # another norm: not what the remedy rewrites
+            axis = args[1] if len(args) > 1 else kwargs.get("axis")
+            keepdims = args[2] if len(args) > 2 else kwargs.get("keepdims", False)
+        x = tf.convert_to_tensor(x)
+        square = tf.reduce_sum(tf.square(x), axis=axis, keepdims=bool(keepdims))
+        return tf.sqrt(tf.maximum(square, tf.cast(eps, square.dtype)))
+
+    return call
+
+
+#: Division functions a line may spell instead of ``/``.
+DIVISIONS = ("divide", "truediv", "realdiv", "true_divide", "div")
+
+
+def _division_clamp(line: str) -> "Clamp":
+    spelled = tuple(n for n in DIVISIONS if re.search(rf"\b{n}\(", line))
+
+    def call(original, x, y, *args, **kwargs):
+        x, y = tf.convert_to_tensor(x), tf.convert_to_tensor(y)
+        if not (x.dtype.is_floating and y.dtype.is_floating):
+            return original(x, y, *args, **kwargs)
+        return tf.math.divide_no_nan(x, tf.cast(y, x.dtype))
+
+    return Clamp(spelled or ("/",), call, "divide_no_nan instead of the division")
+
+
+def _module_of(filename: str):
+    """The namespace (a module's ``__dict__``) whose code is in ``filename``."""
+    target = os.path.realpath(filename)
+    name = os.path.basename(target)
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if isinstance(path, str) and os.path.basename(path) == name and os.path.realpath(path) == target:
+            return vars(module)
+    main = sys.modules.get("__main__")
+    return vars(main) if main is not None else None  # a notebook's cell or a script
+
+
+def _holders(namespace: dict, line: str, name: str) -> list[tuple[Any, str]]:
+    """``(object, attribute)`` pairs that the line's spellings of ``name(`` look up."""
+    found = []
+    for dotted in re.findall(rf"(?<![\w.])((?:[A-Za-z_]\w*\.)*{re.escape(name)})\(", line):
+        parts = dotted.split(".")
+        if len(parts) == 1:
+            if name in namespace:
+                found.append((namespace, name))
+            continue
+        holder = namespace.get(parts[0], getattr(builtins, parts[0], None))
+        for part in parts[1:-1]:
+            holder = getattr(holder, part, None)
+        if holder is not None and callable(getattr(holder, name, None)):
+            found.append((holder, name))
+    unique, seen = [], set()
+    for holder, attribute in found:
+        if (id(holder), attribute) not in seen:
+            seen.add((id(holder), attribute))
+            unique.append((holder, attribute))
+    return unique
+
+
+@contextlib.contextmanager
+def _patched(clamp: Clamp, filename: str, lineno: int, line: str):
+    """Each callable the line spells replaced by the clamp's form, for calls from ``filename:lineno``.
+
+    Yields a list that counts the calls the form replaced. Everything is put back
+    when the block ends, also on an error.
+    """
+    applied: list[int] = []
+    target = os.path.realpath(filename)
+
+    def from_line(frame) -> bool:
+        return frame is not None and frame.f_lineno == lineno and os.path.realpath(frame.f_code.co_filename) == target
+
+    def wrap(original, swap=False):
+        @functools.wraps(original)
+        def replaced(*args, **kwargs):
+            if not from_line(sys._getframe(1)):
+                return original(*args, **kwargs)
+            applied.append(1)
+            if swap:  # __rtruediv__(self, other) is other / self
+                return clamp.call(lambda a, b, *r, **k: original(b, a, *r, **k), args[1], args[0], *args[2:], **kwargs)
+            return clamp.call(original, *args, **kwargs)
+
+        return replaced
+
+    undo = []
+    try:
+        if clamp.names == ("/",):
+            for cls in (tf.Tensor, type(tf.constant(0.0))):
+                for dunder, swap in (("__truediv__", False), ("__rtruediv__", True)):
+                    if dunder in vars(cls):
+                        undo.append((cls, dunder, vars(cls)[dunder]))
+                        setattr(cls, dunder, wrap(vars(cls)[dunder], swap))
+        else:
+            namespace = _module_of(filename)
+            for name in clamp.names:
+                for holder, attribute in _holders(namespace or {}, line, name):
+                    if isinstance(holder, dict):
+                        undo.append((holder, attribute, holder[attribute]))
+                        holder[attribute] = wrap(holder[attribute])
+                    else:
+                        undo.append((holder, attribute, getattr(holder, attribute)))
+                        setattr(holder, attribute, wrap(getattr(holder, attribute)))
+        yield applied
+    finally:
+        for holder, attribute, original in reversed(undo):
+            if isinstance(holder, dict):
+                holder[attribute] = original
+            else:
+                setattr(holder, attribute, original)
+
+
+def _verify_clamp(d, clamp: Clamp, model, loss_fn, x, y, w) -> str | None:
+    """The failing step re-run with the clamp on the user's line; ``None`` if it could not be applied."""
+    if loss_fn is None and _replicas(model) > 1:  # an own train_step's update would wait for the other replicas
+        return None
+    return verify_clamp(d, clamp, lambda: _finite_step(model, loss_fn, x, y, w, eager=True))
+
+
+def verify_clamp(d, clamp: Clamp, finite_run: Callable[[], bool]) -> str | None:
+    """``finite_run()`` with the clamp on ``d``'s line: the verdict, or ``None`` if it was never applied."""
+    if not d.source or not d.code:
+        return None
+    filename, _, number = d.source.rpartition(":")
+    try:
+        lineno = int(number)
+    except ValueError:
+        return None
+    with _patched(clamp, filename, lineno, d.code) as applied:
+        finite = finite_run()
+    if not applied:  # the re-run never called what the line spells: nothing was checked
+        return None
+    at = f"{os.path.basename(filename)}:{lineno}"
+    return (f"verified: the step is finite with {clamp.what} at {at}" if finite
+            else f"not verified: the step is still non-finite with {clamp.what} at {at}")
 
 
 def _smaller_learning_rate(model):
     """The optimizer as compiled, with a learning rate ten times smaller, as the call to write."""
-    optimizer = getattr(model, "optimizer", None)
-    inner = getattr(optimizer, "inner_optimizer", None) or optimizer  # a LossScaleOptimizer's
-    rate = getattr(inner, "learning_rate", None)
-    try:
-        value = float(np.asarray(rate.numpy() if hasattr(rate, "numpy") else rate))
-    except (TypeError, ValueError):
+    optimizer = _optimizer(model)
+    value = None if optimizer is None else _rate(optimizer)
+    if value is None:
         return ("a learning rate ten times smaller in the optimizer (or clipnorm=1.0)",
                 None)
-    name = type(inner).__name__
+    name = type(optimizer).__name__
     return (f"recompile with a learning rate ten times smaller: keras.optimizers.{name}"
             f"(learning_rate={value / 10:.3g}) (was {value:.3g}; the weights grew step after step)", None)

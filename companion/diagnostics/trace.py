@@ -134,6 +134,7 @@ class OpTracer:
         self._count = 0
         self.masked_selects: list[OpRecord] = []
         self.nonfinite_writes = 0  # assignments of a non-finite value to a variable
+        self.writes = 0  # every write of a variable (an assignment, an optimizer's apply)
         self.stopped = False
         self._thread = threading.get_ident()
 
@@ -143,6 +144,8 @@ class OpTracer:
         if graph is not None or self.stopped or threading.get_ident() != self._thread:
             return outputs
         op_type = op_type.decode() if isinstance(op_type, bytes) else str(op_type)
+        if op_type in _WRITE_OPS or op_type.startswith(("ResourceApply", "ResourceSparseApply", "ResourceScatter")):
+            self.writes += 1
         if op_type in _WRITE_OPS and len(inputs) > 1:
             value = _numeric(inputs[1])
             if value is not None and value.size and nonfinite_mask(value).any():
