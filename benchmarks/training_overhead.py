@@ -2,8 +2,9 @@
 
 Prints, from alternating runs in one process (medians of several repeats):
 
-1. ``companion.training.train`` against ``model.fit(jit_compile=True)`` with
-   ``keras.callbacks.TerminateOnNaN``, on the same model, data and number of epochs:
+1. ``companion.training.train`` against ``model.fit`` (both with Keras' default
+   ``jit_compile="auto"``: no XLA on a CPU) with ``keras.callbacks.TerminateOnNaN``,
+   on the same model, data and number of epochs:
    a small MLP (where per-step overhead dominates; target ratio <= 0.5) and a
    compute-bound MLP (where the matrix products dominate; target <= 1.05);
 2. ``train`` with its finiteness guard on against the same loop with the guard off
@@ -92,15 +93,13 @@ def compare(
     """Times fit / train / unguarded train in rounds; returns the ratios of PAIRS."""
     loss = keras.losses.MeanSquaredError()
     fit_model = make_model(features, width, depth)
-    fit_model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss, jit_compile=True)
-    if not fit_model.jit_compile:
-        print("  note: Keras turned jit_compile off for model.fit", file=sys.stderr)
+    fit_model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
     guarded_model, guarded_opt = make_model(features, width, depth), keras.optimizers.Adam(1e-3)
     open_model, open_opt = make_model(features, width, depth), keras.optimizers.Adam(1e-3)
 
     directory = tempfile.mkdtemp(prefix="training_overhead-")
     fit_cb_model = make_model(features, width, depth)
-    fit_cb_model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss, jit_compile=True)
+    fit_cb_model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
     train_cb_model, train_cb_opt = make_model(features, width, depth), keras.optimizers.Adam(1e-3)
 
     runs = {

@@ -448,6 +448,15 @@ def test_the_doctor_finds_the_first_skipped_batch_of_arrays_and_skips_inputs_it_
     assert first.diagnosis is not None and first.diagnosis.batch == 2 and second.diagnosis is None
     assert first.diagnosis.cause == "nonfinite_input"
 
+    # With shuffle=True (fit's default for arrays) fit permutes the rows with a
+    # permutation only its pipeline knows: the doctor finds the NaN row in the rows' own
+    # order and names no batch, rather than the unshuffled batch at the step's index.
+    history = train(make_model(), x, Y, batch_size=BATCH, epochs=1, loss="mse",
+                    optimizer=keras.optimizers.SGD(0.01), verbose=0)
+    assert len(history.skipped) == 1
+    shuffled = history.reports[0].diagnosis
+    assert shuffled is not None and shuffled.cause == "nonfinite_input" and shuffled.batch is None
+
     def batches():  # a generator: fit reads it once, so the doctor cannot
         for start in range(0, len(x), BATCH):
             yield x[start:start + BATCH], Y[start:start + BATCH]

@@ -59,6 +59,9 @@ def diagnose_skipped_step(run: Any, step: int) -> Diagnosis | None:
               this function for the same step (the loop records the same skips on
               every worker, so it does);
             * ``verbose``: print the diagnosis;
+            * ``shuffled`` (optional): ``fit`` shuffled the rows of arrays, so the
+              step's batch is not known: the epoch's rows are scanned in their own
+              order, and the diagnosis names no batch (``batch`` is ``None``);
             * ``optimizer`` (optional): its variables are restored too.
 
         step: index of the skipped step, counted over all epochs.
@@ -104,6 +107,11 @@ def _diagnose_locally(run, position: int) -> Diagnosis | None:
     if run.distributed is None:
         return None
     with preserved(_variables(run)):
+        if getattr(run, "shuffled", False) and run.cluster is None:
+            # fit permuted the arrays' rows: the step's batch is not known. The first
+            # non-finite batch of the rows in their own order, with no batch named.
+            found = diagnose(run.model, _flat(run), jit_compile=False)
+            return None if found is None else replace(found, batch=None)
         for replica, part in _local_batches(run, position):
             found = diagnose(run.model, iter([part]), jit_compile=False)
             if found is not None:

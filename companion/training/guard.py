@@ -733,14 +733,17 @@ class DoctorView:
             at the first skipped step, as :attr:`distributed`.
         cluster: the :class:`~companion.training.cluster.Cluster`, or ``None``.
         verbose: whether the diagnosis is printed.
+        shuffled: whether ``fit`` shuffled the rows of the arrays it was given (the
+            replay then holds the epoch's rows unshuffled, not the step's batch).
 
     Its ``optimizer`` is the model's (compiled by then): the doctor restores its
     variables too.
     """
 
-    def __init__(self, model, strategy, history, replay, cluster=None, *, verbose: bool = False) -> None:
+    def __init__(self, model, strategy, history, replay, cluster=None, *, verbose: bool = False,
+                 shuffled: bool = False) -> None:
         self.model, self.strategy, self.history, self.cluster = model, strategy, history, cluster
-        self.verbose = verbose
+        self.verbose, self.shuffled = verbose, shuffled
         self._replay = replay
 
     @property

@@ -267,6 +267,9 @@ def train(
     doctor = DoctorView(
         model, strategy, history, lambda: replay_batches(x, y, sample_weight, batch_size, validation_split), cluster,
         verbose=fit_arguments["verbose"] != 0,
+        # fit permutes the rows of arrays (not of a dataset) with a permutation only its
+        # pipeline knows: the doctor cannot read that step's batch again.
+        shuffled=shuffle is not False and not isinstance(x, tf.data.Dataset),
     )
     guard_callback = GuardCallback(step, history, on_nonfinite=on_nonfinite, limit=limit, doctor=doctor)
     extra = [_CheckpointCallback(checkpoint, history)] if checkpoint is not None else []
