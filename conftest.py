@@ -63,3 +63,46 @@ if _nbval_plugin is not None:
         return _transform(kept)
 
     _nbval_plugin.transform_streams_for_comparison = _without_stderr
+
+
+# Two workers (pytest-xdist; `-n 2 --dist loadfile` in pyproject.toml's addopts): each
+# file is one unit of work, run in order by one worker, so a notebook's cells share one
+# kernel and a module's fixtures run once. Two changes to xdist's `loadfile`:
+#
+# - the test files that look at the built book are one unit, so that the book (the
+#   session-scoped `built_book` of tests/conftest.py, a few minutes) is built once, not once
+#   per worker (tests/test_book.py checks that every file using it is in this unit);
+# - a worker that needs work gets the longest unit left (the longest first, then the shorter
+#   ones fill in: the two workers end close together), by the seconds each unit took on two
+#   cores with two workers (2026-12-02); a unit not listed counts its tests, as xdist does.
+BUILT_BOOK_FILES = ("tests/test_browser.py", "tests/test_browser_zh.py", "tests/test_built_book.py",
+                    "tests/test_packaging.py")
+UNIT_SECONDS = {
+    "the built book": 200,
+}
+
+try:
+    from xdist.scheduler import LoadScopeScheduling as _LoadScopeScheduling
+except ImportError:  # no xdist: one process runs every test, in collection order
+    _LoadScopeScheduling = None
+
+if _LoadScopeScheduling is not None:
+    import pytest
+
+    class _FileScheduling(_LoadScopeScheduling):
+        """xdist's ``loadfile``, with the built book's files as one unit, longest unit first."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "the built book" if path in BUILT_BOOK_FILES else path
+
+        def _assign_work_unit(self, node) -> None:
+            longest = max(self.workqueue, key=lambda scope: (UNIT_SECONDS.get(scope, 0), len(self.workqueue[scope])))
+            self.workqueue.move_to_end(longest, last=False)
+            super()._assign_work_unit(node)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_make_scheduler(config, log):
+        if config.getoption("dist") == "loadfile":
+            return _FileScheduling(config, log)
+        return None  # another --dist: xdist's own
