@@ -82,3 +82,9 @@ def test_a_worker_is_handed_the_longest_unit_left(root_conftest, monkeypatch):
         "tests/test_slow.py", "the built book", "tests/test_a.py", "tests/test_b.py"
     ]
     assert node.sent == [[3], [4], [0, 1, 2], [5]]
+
+
+def test_every_unit_with_measured_seconds_exists(root_conftest):
+    missing = [unit for unit in root_conftest.UNIT_SECONDS if unit != "the built book" and not (ROOT / unit).is_file()]
+    assert not missing, f"conftest.py's UNIT_SECONDS names files that are gone: {missing}"
+    assert all(path.startswith("tests/") and (ROOT / path).is_file() for path in root_conftest.BUILT_BOOK_FILES)
