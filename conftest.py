@@ -63,3 +63,70 @@ if _nbval_plugin is not None:
         return _transform(kept)
 
     _nbval_plugin.transform_streams_for_comparison = _without_stderr
+
+
+# Two workers (pytest-xdist; `-n 2 --dist loadfile` in pyproject.toml's addopts): each
+# file is one unit of work, run in order by one worker, so a notebook's cells share one
+# kernel and a module's fixtures run once. Two changes to xdist's `loadfile`:
+#
+# - the test files that look at the built book are one unit, so that the book (the
+#   session-scoped `built_book` of tests/conftest.py, a few minutes) is built once, not once
+#   per worker (tests/test_parallel.py checks that every file using it is in this unit);
+# - a worker that needs work gets the longest unit left (the longest first, then the shorter
+#   ones fill in: the two workers end close together), by UNIT_SECONDS: the seconds each unit
+#   took, run one after another (2026-12-02, two cores shared with other work: only their
+#   order matters); a unit not listed comes after those, the one with more tests first.
+BUILT_BOOK_FILES = ("tests/test_browser.py", "tests/test_browser_zh.py", "tests/test_built_book.py",
+                    "tests/test_packaging.py")
+UNIT_SECONDS = {
+    "the built book": 280,
+    "tests/test_training_keras_contracts.py": 150,
+    "tests/test_benchmarks.py": 140,
+    "tests/test_doctor_remedies.py": 130,
+    "tests/test_training_multiworker.py": 110,
+    "tests/test_training_loop.py": 105,
+    "tests/test_training_custom_steps.py": 100,
+    "tests/test_finding_your_own_nan.py": 100,
+    "tests/test_launch.py": 90,
+    "book/tools/training_across_machines.ipynb": 55,
+    "tests/test_training_fit_parity.py": 45,
+    "tests/test_models.py": 45,
+    "tests/test_doctor_custom_steps.py": 45,
+    "book/case_a/fixed_parameternet.ipynb": 40,
+    "tests/test_training_distributed.py": 40,
+    "book/case_a/reproduce.ipynb": 35,
+    "tests/test_powers.py": 30,
+    "book/case_b/training.ipynb": 30,
+    "tests/test_tilted_mean.py": 30,
+    "tests/test_docstrings.py": 25,
+    "tests/test_runs.py": 25,
+    "tests/test_doctor.py": 25,
+    "book/tools/training_loop.ipynb": 25,
+    "book/tools/performance.ipynb": 20,
+}
+
+try:
+    from xdist.scheduler import LoadScopeScheduling as _LoadScopeScheduling
+except ImportError:  # no xdist: one process runs every test, in collection order
+    _LoadScopeScheduling = None
+
+if _LoadScopeScheduling is not None:
+    import pytest
+
+    class _FileScheduling(_LoadScopeScheduling):
+        """xdist's ``loadfile``, with the built book's files as one unit, longest unit first."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "the built book" if path in BUILT_BOOK_FILES else path
+
+        def _assign_work_unit(self, node) -> None:
+            longest = max(self.workqueue, key=lambda scope: (UNIT_SECONDS.get(scope, 0), len(self.workqueue[scope])))
+            self.workqueue.move_to_end(longest, last=False)
+            super()._assign_work_unit(node)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_make_scheduler(config, log):
+        if config.getoption("dist") == "loadfile":
+            return _FileScheduling(config, log)
+        return None  # another --dist: xdist's own

@@ -5,6 +5,8 @@ Not part of the ``companion`` package: nothing here is needed to *use* the book'
 
 from __future__ import annotations
 
+import copy
+import functools
 import pathlib
 import re
 
@@ -59,12 +61,22 @@ def package_version() -> str:
     return re.search(r'^__version__ = "([^"]+)"', text, re.M).group(1)
 
 
-def repository_url() -> str:
-    """``repository.url`` of ``_config.yml``: the one setting to change when publishing a fork."""
+@functools.lru_cache(maxsize=8)
+def _parsed_yaml(text: str):
     import yaml
 
-    config = yaml.safe_load((ROOT / "_config.yml").read_text())
-    return config["repository"]["url"].rstrip("/")
+    return yaml.safe_load(text)
+
+
+def config() -> dict:
+    """``_config.yml``, parsed once for each content it has had (translate_book.py asks for the
+    repository's URL for every unit of text it hashes: parsing it each time took seconds)."""
+    return copy.deepcopy(_parsed_yaml((ROOT / "_config.yml").read_text()))
+
+
+def repository_url() -> str:
+    """``repository.url`` of ``_config.yml``: the one setting to change when publishing a fork."""
+    return config()["repository"]["url"].rstrip("/")
 
 
 def pages_url(url: str | None = None) -> str:
@@ -77,25 +89,16 @@ def pages_url(url: str | None = None) -> str:
 
 
 def html_baseurl() -> str:
-    import yaml
-
-    config = yaml.safe_load((ROOT / "_config.yml").read_text())
-    return (config.get("html") or {}).get("baseurl", "")
+    return (config().get("html") or {}).get("baseurl", "")
 
 
 def repository_branch() -> str:
-    import yaml
-
-    config = yaml.safe_load((ROOT / "_config.yml").read_text())
-    return config["repository"].get("branch", "main")
+    return config()["repository"].get("branch", "main")
 
 
 def path_to_book() -> str:
     """``repository.path_to_book`` of ``_config.yml``: where the book's root is inside the repository."""
-    import yaml
-
-    config = yaml.safe_load((ROOT / "_config.yml").read_text())
-    return (config["repository"].get("path_to_book") or "").strip("/")
+    return (config()["repository"].get("path_to_book") or "").strip("/")
 
 
 def colab_launch_url(notebook: pathlib.Path) -> str:

@@ -18,7 +18,7 @@ CHAPTER = book_tools.BOOK / "foundations" / "finite_loss_nan_gradients.ipynb"
 @pytest.mark.slow
 def test_a_stale_output_fails_under_nbval_and_only_that_cell(tmp_path):
     # Inside the repository (so the root conftest and pytest config apply), in a folder
-    # that the main run does not collect.
+    # that the main run does not collect; in this one process (-n 0: no pytest-xdist workers).
     work = book_tools.ROOT / "_build" / "nbval-stale-test"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -37,7 +37,7 @@ def test_a_stale_output_fails_under_nbval_and_only_that_cell(tmp_path):
 
         report = tmp_path / "report.xml"
         result = subprocess.run(
-            [sys.executable, "-m", "pytest", str(stale), f"--junitxml={report}", "-q"],
+            [sys.executable, "-m", "pytest", str(stale), f"--junitxml={report}", "-q", "-n", "0"],
             cwd=book_tools.ROOT, capture_output=True, text=True, timeout=600,
         )
         assert result.returncode == 1, result.stdout[-3000:]
