@@ -121,6 +121,25 @@ MIRRORED_SCRIPT = textwrap.dedent(
         np.abs(sgd_weights(strategy, clip_global_norm=0.5) - sgd_weights(None, clip_global_norm=0.5)).max()
     )
 
+    # A step whose loss and gradients are finite but whose update overflows (SGD with a
+    # learning rate of 1e30 on gradients of about 1e10) is skipped on every replica, and
+    # every replica's copy of every variable is put back.
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        big = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        big_optimizer = keras.optimizers.SGD(1e30)
+    big_before = [a.copy() for v in big.variables for a in replica_values(v)]
+    overflowing = tf.data.Dataset.from_tensor_slices((x, y * 1e10)).batch(8).take(1)
+    big_history = train(big, overflowing, loss="mse", optimizer=big_optimizer, strategy=strategy, verbose=0)
+    result["overflow_skipped"] = big_history.skipped
+    result["overflow_loss_finite"] = bool(np.isfinite(big_history.step_loss[0]))
+    result["overflow_norm_finite"] = bool(np.isfinite(big_history.grad_norm[0]))
+    result["overflow_unchanged"] = all(
+        a.tobytes() == b.tobytes()
+        for a, b in zip(big_before, [a for v in big.variables for a in replica_values(v)])
+    )
+    result["overflow_iterations"] = int(big_optimizer.iterations.numpy())
+
     # A model created outside the scope is refused before any step.
     keras.utils.set_random_seed(0)
     outside = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
@@ -131,7 +150,7 @@ MIRRORED_SCRIPT = textwrap.dedent(
         result["outside_error"] = str(error)
 
     # A train_step with an optimizer of its own (a GAN's) is refused before any step:
-    # under several replicas the guard could not put back what that optimizer writes.
+    # under several replicas that optimizer's merge calls do not trace with the guard's.
     class OwnOptimizer(keras.Model):
         def __init__(self):
             super().__init__()
@@ -211,6 +230,15 @@ def test_mirrored_update_equals_one_device_with_and_without_clipping(mirrored_re
     # would make these steps twice as long: differences of order 0.1, not 1e-6.
     assert mirrored_result["sgd_difference"] < 1e-5
     assert mirrored_result["sgd_clipped_difference"] < 1e-5
+
+
+@pytest.mark.slow
+def test_mirrored_step_whose_update_overflows_is_skipped_and_put_back_on_every_replica(mirrored_result):
+    # Finite loss and gradients: only the test of what the step wrote sees the overflow.
+    assert mirrored_result["overflow_loss_finite"] and mirrored_result["overflow_norm_finite"]
+    assert mirrored_result["overflow_skipped"] == [0]
+    assert mirrored_result["overflow_unchanged"]
+    assert mirrored_result["overflow_iterations"] == 0
 
 
 @pytest.mark.slow

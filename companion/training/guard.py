@@ -6,8 +6,8 @@ validation, ``steps_per_execution``, ``History``. What ``train`` adds is a guard
 model's own ``train_step`` (Keras', or the user's override: a GAN's, a VAE's, Keras'
 guide's) and decides, after it, whether the step counts.
 
-* Before the step, the values of every variable a step may write are read: on one
-  replica every variable of the model (weights, non-trainable state such as batch-norm
+* Before the step, the values of every variable a step may write are read (under
+  several replicas, each replica its own copy): every variable of the model (weights, non-trainable state such as batch-norm
   statistics, the metrics) and of every optimizer it holds (``model.optimizer`` and any
   other, a GAN's ``d_optimizer`` and ``g_optimizer``; an optimizer first built by the
   step's own ``apply`` is built just before it, and read then). Not the random state
@@ -17,8 +17,8 @@ guide's) and decides, after it, whether the step counts.
   variables)`` notes the gradients (for the model's optimizer they are summed across
   replicas once, clipped if asked, and tested before the update).
 * After the step, it is non-finite when its loss (noted, else its logged ``loss`` or
-  first logged value), any optimizer's gradients, any value it logs, or (on one
-  replica) any variable it may have written is not finite, or when the
+  first logged value), any optimizer's gradients, any value it logs, or any variable
+  it may have written is not finite, or when the
   consecutive-skip limit was reached. Every variable read before the step is then
   written back, ``where(ok, new, old)``: nothing the step did remains, whoever wrote
   it. Under several replicas the same decision is taken on every replica (an
@@ -140,14 +140,13 @@ class GuardedStep:
     def _state(self) -> list:
         """The variables a skipped step must put back, read before the step.
 
-        On one replica: every variable of the model (its weights, the non-trainable
-        state the forward pass changes, the metrics) and of every optimizer the model
-        holds (``model.optimizer`` and any other, e.g. a GAN's ``d_optimizer``), so that a
-        skipped step changes nothing, whoever writes. Under several replicas: the
-        model's non-trainable state and metrics (the optimizer's update is put under a
-        conditional there). Never the random state (a ``SeedGenerator``'s): a skipped
-        random draw is not drawn again. Never the dynamic loss scale: a skipped step
-        halves it.
+        Every variable of the model (its weights, the non-trainable state the forward
+        pass changes, the metrics) and of every optimizer the model holds
+        (``model.optimizer`` and any other, e.g. a GAN's ``d_optimizer``), so that a
+        skipped step changes nothing, whoever writes; under several replicas each
+        replica reads and puts back its own copy. Never the random state (a
+        ``SeedGenerator``'s): a skipped random draw is not drawn again. Never the
+        dynamic loss scale: a skipped step halves it.
         """
         model = self.model
         if len(model.trainable_variables) != len(self.variables):
@@ -157,16 +156,10 @@ class GuardedStep:
         kept = {id(v) for v in _random_state(model)}
         if self.loss_scaler is not None:
             kept.update(id(v) for v in (self.loss_scaler.dynamic_scale, self.loss_scaler.step_counter))
-        if self.replicas == 1:
-            candidates = [*model.variables, *model.metrics_variables]
-            for optimizer in self.optimizers:
-                if optimizer.built:
-                    candidates.extend(optimizer.variables)
-        else:
-            trainable = {id(v) for v in model.trainable_variables}
-            candidates = [
-                v for v in [*model.non_trainable_variables, *model.metrics_variables] if id(v) not in trainable
-            ]
+        candidates = [*model.variables, *model.metrics_variables]
+        for optimizer in self.optimizers:
+            if optimizer.built:
+                candidates.extend(optimizer.variables)
         state = []
         for v in candidates:
             if id(v) not in kept:
@@ -221,8 +214,8 @@ class GuardedStep:
         """The model's own ``train_step``, guarded (replica context).
 
         The step is non-finite when its loss, its gradients (any optimizer's), its
-        logged values or, on one replica, anything it wrote (weights, optimizer state,
-        non-trainable variables, metrics) are not finite; every variable of
+        logged values or anything it wrote (weights, optimizer state, non-trainable
+        variables, metrics) are not finite; every variable of
         :meth:`_state` is then put back to its value before the step.
         """
         slot = self._slot
@@ -239,7 +232,7 @@ class GuardedStep:
                     pass
         self.state = state = self._state()
         one = self.replicas == 1
-        saved = [_read(v) for v in state] if one else [tf.identity(tf.convert_to_tensor(v)) for v in state]
+        saved = [_read(v) for v in state]  # each replica its own copy
         written = _read(self.written) if one else tf.convert_to_tensor(self.written)
         consecutive = _read(self.consecutive) if one else tf.convert_to_tensor(self.consecutive)
         halted = tf.raw_ops.GreaterEqual(x=consecutive, y=tf.constant(self.limit, tf.int32))
@@ -260,21 +253,17 @@ class GuardedStep:
                                                              for n in [norm, *slot.norms]]))
         restored = [*zip(state, saved), *slot.late]
         now = None
-        if self.guard and one:
+        if self.guard:
             # One test for the whole step: its loss, its gradients' norm, every float it
-            # logs and every variable it may have written.
+            # logs and every variable it may have written (each replica its own copy).
             now = [_read(v) for v, _ in restored]
             finite = _all_finite([loss, norm, *_float_values(logs), *now], flatten=_entries(now) <= SELECT_LIMIT)
+            if not one:
+                # The same decision on every replica and worker.
+                context = tf.distribute.get_replica_context()
+                bad = tf.cast(tf.logical_not(finite), tf.float32)
+                finite = context.all_reduce(tf.distribute.ReduceOp.SUM, bad) < 0.5
             applied = tf.raw_ops.LogicalAnd(x=applied, y=finite)
-        elif self.guard:
-            # The same decision on every replica and worker (the update's own test is
-            # taken on summed gradients already). What the step wrote is not tested here:
-            # putting back every replica's copy of the weights and moments from replica
-            # context lost updates under Keras 3.5 (tests/test_training_distributed.py).
-            checks = [tf.math.is_finite(loss), tf.math.is_finite(norm), _all_finite(_float_values(logs))]
-            context = tf.distribute.get_replica_context()
-            bad = tf.cast(tf.logical_not(tf.reduce_all(tf.stack(checks))), tf.float32)
-            applied = tf.logical_and(applied, context.all_reduce(tf.distribute.ReduceOp.SUM, bad) < 0.5)
         self._put_back(restored, applied, now)
         counts = self._counts(slot) if self.guard and self.variables else None
         row = tf.stack([tf.cast(loss, tf.float32), tf.cast(norm, tf.float32), tf.cast(applied, tf.float32), scale])
@@ -334,16 +323,16 @@ class GuardedStep:
     def _put_back(self, restored, applied, now=None) -> None:
         """Every variable of ``restored`` to its value before the step, unless ``applied``.
 
-        On one replica with raw reads and writes of the variables' handles (``now``: their
-        values after the step). Under XLA, and without it for a small
+        Raw reads and writes of the variables' handles (``now``: their values after the
+        step; under several replicas each replica's handle is its own copy's, and the
+        decision is the same on every replica). Under XLA, and without it for a small
         state, one select per variable: XLA fuses the selects into the step's
         element-wise work, and a small model's selects cost less to trace and to run
         than a conditional with every variable as its input. Without XLA, a state of
         more than :data:`SELECT_LIMIT` entries is put back under a conditional instead:
         there the selects, a pass over every weight and moment at every step, would
-        cost more than the conditional's one trace. Under several replicas (``now`` is
-        ``None``: the non-trainable state and the metrics), and unguarded (an optimizer
-        built during the step), with Keras' ``assign``.
+        cost more than the conditional's one trace. Unguarded (``now`` is ``None``),
+        only an optimizer built during the step is put back, with Keras' ``assign``.
         """
         if not restored:
             return
@@ -510,7 +499,7 @@ class GuardedStep:
             # As Keras' apply would, but before the update is traced (masked or not).
             with tf.init_scope():
                 self.optimizer.build(trainable_variables)
-            if self.guard and self.replicas == 1:
+            if self.guard:
                 slot.late.extend((v, _read(v)) for v in self._optimizer_state())
         # Gradients arrive multiplied by what scale_loss multiplied the loss by (the
         # dynamic loss scale, the optimizer's loss_scale_factor).

@@ -328,8 +328,10 @@ def _check_guardable(model, strategy, on_nonfinite) -> None:
     """Refuse, before any step, a model whose skipped steps the guard could not undo.
 
     Under several replicas the guard puts the model's optimizer's update under a
-    conditional, and restores the non-trainable state and the metrics; what another
-    optimizer writes there (merge calls on every replica's copy) it cannot put back.
+    conditional, and every replica puts back its own copy of every variable; a step that
+    applies other optimizers there (each with merge calls of its own) does not trace
+    with the guard's (a placeholder left unfed, or replicas making different numbers of
+    merge calls, tried with a two-optimizer model), so it is refused.
     """
     replicas = strategy.num_replicas_in_sync
     if on_nonfinite == "ignore" or replicas == 1:
@@ -341,8 +343,8 @@ def _check_guardable(model, strategy, on_nonfinite) -> None:
         names = ", ".join(f"{held.get(id(o), o.name)} ({type(o).__name__})" for o in others)
         raise ValueError(
             f"model {model.name!r} applies optimizers other than model.optimizer ({names}) in its train_step: "
-            f"train guards such a step on one replica only, and this strategy has {replicas}, where a skipped "
-            "step could not put back what those optimizers write. Train it on one device, or call model.fit "
+            f"train guards such a step on one replica only, and this strategy has {replicas} (those optimizers' "
+            "merge calls do not trace with the guard's). Train it on one device, or call model.fit "
             "with each optimizer wrapped in companion.optimizers.SkipNonFinite, or pass on_nonfinite='ignore'."
         )
 
