@@ -81,7 +81,7 @@ class Diagnosis:
             divergence the optimizer with a learning rate ten times smaller or else
             with ``clipnorm=1.0`` (the first that verifies); ``None`` if none.
         verified: what the doctor found when it applied that remedy to a copy of the
-            failing step (:mod:`~companion.diagnostics.remedies` says how, for each
+            failing step (``companion.diagnostics.remedies`` says how, for each
             kind): ``"verified: the step is finite with ..."`` or ``"not verified:
             ..."`` and why; ``None`` when the remedy is not one mechanical change (a
             double ``where``, a formula replaced by ``softplus``) and nothing was
