@@ -58,16 +58,17 @@ def all_finite(gradients: Sequence[Any]) -> tf.Tensor:
 
 
 def nonfinite_counts(gradients: Sequence[Any]) -> tuple[tf.Tensor, tf.Tensor]:
-    """NaN and Inf counts per gradient (``None`` counts 0), as two int64 vectors."""
+    """NaN and Inf counts per gradient (``None`` counts 0), as two int64 vectors (raw ops:
+    the guard traces them into every training step)."""
     nan_counts, inf_counts = [], []
     for gradient in gradients:
         if gradient is None:
             nan_counts.append(tf.constant(0, tf.int64))
             inf_counts.append(tf.constant(0, tf.int64))
             continue
-        values = gradient_values(gradient)
-        nan = tf.reduce_sum(tf.cast(tf.math.is_nan(values), tf.int32))
-        nonfinite = tf.reduce_sum(tf.cast(tf.logical_not(tf.math.is_finite(values)), tf.int32))
-        nan_counts.append(tf.cast(nan, tf.int64))
-        inf_counts.append(tf.cast(nonfinite - nan, tf.int64))
-    return tf.stack(nan_counts), tf.stack(inf_counts)
+        values = tf.convert_to_tensor(gradient_values(gradient))
+        rank = values.shape.rank
+        axis = list(range(rank)) if rank is not None else tf.range(tf.rank(values))
+        nan_counts.append(tf.raw_ops.Sum(input=tf.raw_ops.Cast(x=tf.raw_ops.IsNan(x=values), DstT=tf.int64), axis=axis))
+        inf_counts.append(tf.raw_ops.Sum(input=tf.raw_ops.Cast(x=tf.raw_ops.IsInf(x=values), DstT=tf.int64), axis=axis))
+    return tf.raw_ops.Pack(values=nan_counts), tf.raw_ops.Pack(values=inf_counts)

@@ -7,9 +7,10 @@ model's own ``train_step`` (Keras', or the user's override: a GAN's, a VAE's, Ke
 guide's) and decides, after it, whether the step counts.
 
 * Before the step, the values of every variable a step may write are read (under
-  several replicas, each replica its own copy): every variable of the model (weights, non-trainable state such as batch-norm
-  statistics, the metrics) and of every optimizer it holds (``model.optimizer`` and any
-  other, a GAN's ``d_optimizer`` and ``g_optimizer``; an optimizer first built by the
+  several replicas, each replica its own copy): every variable of the model (weights,
+  non-trainable state such as batch-norm statistics, the metrics) and of every
+  optimizer it holds (``model.optimizer`` and any other, a GAN's ``d_optimizer`` and
+  ``g_optimizer``; an optimizer first built by the
   step's own ``apply`` is built just before it, and read then). Not the random state
   (a skipped random draw is not drawn again) and not the dynamic loss scale.
 * While the step is traced, its calls on the optimizers are intercepted:
@@ -57,7 +58,7 @@ import numpy as np
 import tensorflow as tf
 
 from companion import _tf_internals
-from companion._gradients import global_norm, gradient_values, scale_gradient
+from companion._gradients import global_norm, nonfinite_counts, scale_gradient
 from companion.diagnostics import GradientRecord, GradientReport
 from companion.diagnostics.hooks import diagnose_skipped_step
 from companion.training.results import NonFiniteError, SkippedStep, TrainingHistory
@@ -387,20 +388,8 @@ class GuardedStep:
         grads = dict(slot.grads)
 
         def counts():
-            """NaN and Inf counts per trainable variable's gradient, ``[2, n]`` (raw ops)."""
-            nan, inf = [], []
-            zero = tf.constant(0, tf.int64)
-            for v in self.variables:
-                g = grads.get(id(v))
-                if g is None:
-                    nan.append(zero)
-                    inf.append(zero)
-                    continue
-                g = tf.convert_to_tensor(gradient_values(g))
-                axis = _axes(g)
-                nan.append(tf.raw_ops.Sum(input=tf.raw_ops.Cast(x=tf.raw_ops.IsNan(x=g), DstT=tf.int64), axis=axis))
-                inf.append(tf.raw_ops.Sum(input=tf.raw_ops.Cast(x=tf.raw_ops.IsInf(x=g), DstT=tf.int64), axis=axis))
-            return tf.raw_ops.Pack(values=[tf.raw_ops.Pack(values=nan), tf.raw_ops.Pack(values=inf)])
+            """NaN and Inf counts per trainable variable's gradient, ``[2, n]``."""
+            return tf.raw_ops.Pack(values=list(nonfinite_counts([grads.get(id(v)) for v in self.variables])))
 
         return counts
 
@@ -664,23 +653,8 @@ def _read(variable) -> tf.Tensor:
     return tf.raw_ops.ReadVariableOp(resource=variable.handle, dtype=tf.as_dtype(variable.dtype))
 
 
-def _axes(value):
-    """Every axis of ``value``: a constant shared by the tensors of one rank in one graph
-    (one ``Const`` op instead of one per reduction)."""
-    rank = value.shape.rank
-    if rank is None:
-        return tf.range(tf.rank(value))
-    graph = tf.compat.v1.get_default_graph()
-    shared = _AXES.setdefault(graph, {})
-    if rank not in shared:
-        shared[rank] = tf.constant(list(range(rank)), tf.int32)
-    return shared[rank]
-
-
 #: The shape of a flattened tensor.
 _FLAT = np.array([-1], np.int32)
-#: Per graph being traced: the axes constant of each rank (see :func:`_axes`).
-_AXES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
 def _entries(values) -> int:
@@ -709,7 +683,9 @@ def _all_finite(values, flatten: bool = False) -> tf.Tensor:
             continue
         flag = tf.raw_ops.IsFinite(x=value)
         if value.shape.rank != 0:
-            flag = tf.raw_ops.All(input=flag, axis=_axes(value))
+            rank = value.shape.rank
+            axis = list(range(rank)) if rank is not None else tf.range(tf.rank(value))
+            flag = tf.raw_ops.All(input=flag, axis=axis)
         flags.append(flag)
     if not flags:
         return tf.constant(True)
