@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 
@@ -57,9 +58,38 @@ def all_finite(gradients: Sequence[Any]) -> tf.Tensor:
     return tf.reduce_all(tf.stack(flags))
 
 
-def nonfinite_counts(gradients: Sequence[Any]) -> tuple[tf.Tensor, tf.Tensor]:
+def nonfinite_counts(gradients: Sequence[Any], flatten: bool = False) -> tuple[tf.Tensor, tf.Tensor]:
     """NaN and Inf counts per gradient (``None`` counts 0), as two int64 vectors (raw ops:
-    the guard traces them into every training step)."""
+    the guard traces them into every training step).
+
+    With ``flatten``, when every gradient is dense with a known shape, the counts come from
+    one concatenation of all gradients and two segment sums: a handful of ops whatever the
+    number of variables (for small models, whose every op costs more than its work).
+    """
+    if flatten:
+        parts, sizes = [], []
+        for gradient in gradients:
+            if gradient is None:
+                sizes.append(0)
+                continue
+            size = gradient.shape.num_elements() if tf.is_tensor(gradient) else None
+            if size is None or isinstance(gradient, tf.IndexedSlices):
+                break
+            values = gradient if gradient.dtype == tf.float32 else tf.raw_ops.Cast(x=gradient, DstT=tf.float32)
+            parts.append(tf.raw_ops.Reshape(tensor=values, shape=[-1]))
+            sizes.append(size)
+        else:
+            if not parts:
+                zeros = tf.zeros([len(sizes)], tf.int64)
+                return zeros, zeros
+            flat = parts[0] if len(parts) == 1 else tf.raw_ops.ConcatV2(values=parts, axis=0)
+            ids = tf.constant(np.repeat(np.arange(len(sizes), dtype=np.int32), sizes))
+            return tuple(
+                tf.raw_ops.UnsortedSegmentSum(
+                    data=tf.raw_ops.Cast(x=test(x=flat), DstT=tf.int64), segment_ids=ids, num_segments=len(sizes)
+                )
+                for test in (tf.raw_ops.IsNan, tf.raw_ops.IsInf)
+            )
     nan_counts, inf_counts = [], []
     for gradient in gradients:
         if gradient is None:

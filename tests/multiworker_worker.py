@@ -8,8 +8,9 @@ poisoned run and ``--jit``.
 
 - ``main``: a clean run (4 epochs), a run with a NaN in the part of batch 1 that only
   worker 1 receives, a run whose square root at 0 in worker 1's part of batch 1 the NaN
-  doctor diagnoses, the NaN run with ``on_nonfinite="raise"``, then the cluster's
-  all-reduce of 1, 3 and 1024 values;
+  doctor diagnoses, the NaN run with ``on_nonfinite="raise"``, keras.io's GAN (two
+  optimizers of its own) with a NaN in worker 1's part of batch 1 and its twin trained
+  on batch 0 only, then the cluster's all-reduce of 1, 3 and 1024 values;
 - ``clean``: the clean run only;
 - ``die``: the clean run with ``checkpoint_dir``; worker ``--die-worker`` kills itself
   (SIGKILL, no clean-up) when its input pipeline reaches batch ``--die-at-batch``;
@@ -144,6 +145,26 @@ if options.scenario == "main":
     except NonFiniteError as error:
         result["raised"] = {"step": error.step, "epoch": error.epoch, "message": str(error),
                             "iterations": int(optimizer.iterations.numpy())}
+    # keras.io's GAN (two optimizers of its own, tests/test_training_custom_steps.py):
+    # a NaN in worker 1's part of batch 1 skips the step on both workers, and the
+    # skipped step changes nothing: [batch 0, poisoned batch 1] ends as [batch 0] does.
+    import test_training_custom_steps as steps
+
+    gan_states = {}
+    for run, batches in (("twin", 1), ("poisoned", 2)):
+        with strategy.scope():
+            gan, (images, _) = steps._make("gan")
+            gan.built = True  # no call(): fit cannot build it symbolically under a strategy
+        images = images[:32].copy()
+        images[16 + 12] = np.nan  # row 12 of global batch 1: worker 1's half
+        gan_history = train(gan, tf.data.Dataset.from_tensor_slices(images).batch(16).take(batches),
+                            verbose=0, jit_compile=False)
+        gan_states[run] = {"skipped": gan_history.skipped, "steps": gan_history.steps,
+                           "diagnosed": [r.diagnosis is not None for r in gan_history.reports],
+                           "state": {path: v.tolist() for path, v in steps.every_variable(gan).items()
+                                     if not path.endswith("seed_generator_state")}}
+    result["gan"] = gan_states
+
     # The all-reduce of every run above (the loop's one number, the doctor's three and
     # 512): one compiled function of the strategy, whatever the length, in every run.
     from companion.training.cluster import Cluster, _gather_function

@@ -20,9 +20,10 @@ from companion.training.guard import model_optimizers
 RNG = np.random.default_rng(0)
 
 
-def every_variable(model) -> dict:
-    """Every variable of the model, its metrics and all its optimizers, keyed by position
-    and name (two models built alike get the same keys, whatever Keras numbers them)."""
+def every_variable(model, values: bool = True) -> dict:
+    """Every variable of the model, its metrics and all its optimizers (their values, or
+    with ``values=False`` the variables), keyed by position and, for the random state,
+    name (two models built alike get the same keys, whatever Keras numbers them)."""
     found, seen = [], set()
     variables = [*model.variables, *model.metrics_variables]
     for optimizer in model_optimizers(model):
@@ -31,7 +32,7 @@ def every_variable(model) -> dict:
         if id(v) not in seen:
             seen.add(id(v))
             found.append(v)
-    return {f"{i}:{v.name}" if v.name == "seed_generator_state" else str(i): np.array(v.numpy())
+    return {f"{i}:{v.name}" if v.name == "seed_generator_state" else str(i): np.array(v.numpy()) if values else v
             for i, v in enumerate(found)}
 
 
@@ -251,7 +252,47 @@ def contrastive():
     return model, (RNG.normal(size=(64, 8)).astype("float32"), RNG.integers(0, 3, size=(64,)).astype("int32"))
 
 
-PATTERNS = {"guide": guide_model, "vae": vae, "gan": gan, "contrastive": contrastive}
+class OwnOptimizer(keras.Model):
+    """Issue 27's model: compiled with an optimizer its step never applies, and applying
+    one of its own (``self.d_opt``) with ``apply_gradients``."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(1)
+        self.d_opt = keras.optimizers.SGD(0.1, momentum=0.5)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self(x) - y))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.d_opt.apply_gradients(zip(grads, self.trainable_variables))
+        return {"loss": loss}
+
+
+def own_optimizer():
+    model = OwnOptimizer()
+    model.compile(optimizer="sgd", loss="mse")
+    model(np.zeros((1, 4), "float32"))
+    return model, (RNG.normal(size=(64, 4)).astype("float32"), RNG.normal(size=(64, 1)).astype("float32"))
+
+
+PATTERNS = {"guide": guide_model, "vae": vae, "gan": gan, "contrastive": contrastive, "own_optimizer": own_optimizer}
+
+#: Under a strategy fit cannot build an optimizer inside the step (a nested conditional
+#: of Keras' with an unfed placeholder, TF 2.21): these models' users build them first.
+#: train builds them itself, before the step.
+OPTIMIZERS_BUILT_BEFORE_FIT = {
+    "gan": lambda m: (m.d_optimizer.build(m.discriminator.trainable_weights),
+                      m.g_optimizer.build(m.generator.trainable_weights)),
+    "contrastive": lambda m: (
+        m.contrastive_optimizer.build(m.encoder.trainable_weights + m.projection_head.trainable_weights),
+        m.probe_optimizer.build(m.linear_probe.trainable_weights)),
+    "own_optimizer": lambda m: m.d_opt.build(m.trainable_weights),
+}
 
 
 def _make(name):

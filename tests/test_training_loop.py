@@ -57,6 +57,28 @@ def test_poisoned_batches_are_skipped_and_the_rest_trains():
     assert "step 1 (epoch 0)" in str(report)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_flattened_nonfinite_counts_equal_the_per_gradient_ones(compiled):
+    from companion._gradients import nonfinite_counts
+
+    rng = np.random.default_rng(3)
+    kernel = rng.normal(size=(5, 4)).astype("float32")
+    kernel[1, 2], kernel[3, 0], kernel[4, 3] = np.nan, np.inf, -np.inf
+    half = np.array([65504.0, 1.0, np.nan], "float16") * np.array([2.0, 1.0, 1.0], "float16")  # inf, 1, nan
+    gradients = [tf.constant(kernel), None, tf.constant(half), tf.constant(np.float32(np.nan)), tf.zeros([0, 3])]
+
+    def both():
+        return nonfinite_counts(gradients, flatten=True), nonfinite_counts(gradients)
+
+    (flat_nan, flat_inf), (nan, inf) = tf.function(both)() if compiled else both()
+    assert flat_nan.numpy().tolist() == nan.numpy().tolist() == [1, 0, 1, 1, 0]
+    assert flat_inf.numpy().tolist() == inf.numpy().tolist() == [2, 0, 1, 0, 0]
+    # An embedding's IndexedSlices (rows of unknown number) is counted one by one.
+    sliced = tf.IndexedSlices(tf.constant([[np.nan, 1.0]]), tf.constant([0]), tf.constant([3, 2]))
+    assert [t.numpy().tolist() for t in nonfinite_counts([sliced, tf.constant([np.inf])], flatten=True)] == [
+        [1, 0], [0, 1]]
+
+
 def test_nan_gradient_under_a_finite_loss_is_skipped():
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((1,)), SqrtOfProduct(name="sqrt_wx"), keras.layers.Dense(1)])

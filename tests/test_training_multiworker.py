@@ -172,6 +172,20 @@ def test_a_nan_on_one_worker_skips_the_step_on_every_worker(two_workers):
 
 
 @pytest.mark.slow
+def test_a_gan_s_step_with_a_nan_on_one_worker_is_skipped_on_every_worker_and_changes_nothing(two_workers):
+    first, second = two_workers[0]["gan"], two_workers[1]["gan"]
+    assert first == second  # every worker: the same skips, bit for bit the same state
+    assert first["twin"]["skipped"] == [] and first["poisoned"]["skipped"] == [1]
+    assert first["poisoned"]["steps"] == 2
+    # The doctor does not re-run a model's own step on several workers (its collectives
+    # would be joined by one worker only): the step is skipped, undiagnosed.
+    assert first["poisoned"]["diagnosed"] == [False]
+    # The weights, both optimizers' state and the trackers: as if batch 1 never came.
+    assert first["poisoned"]["state"] == first["twin"]["state"]
+    assert all(np.isfinite(np.array(v)).all() for v in first["poisoned"]["state"].values())
+
+
+@pytest.mark.slow
 def test_the_nan_doctor_names_the_worker_whose_shard_made_the_nan_on_every_worker(two_workers):
     from companion.training import TrainingHistory
 

@@ -32,6 +32,7 @@ import tensorflow as tf
 from companion import _tf_internals
 from companion.diagnostics.doctor import Diagnosis, diagnose, replace
 from companion.diagnostics.state import preserved
+from companion.diagnostics.step import uses_own_step
 
 __all__ = ["diagnose_skipped_step"]
 
@@ -105,6 +106,11 @@ def _variables(run) -> list:
 def _diagnose_locally(run, position: int) -> Diagnosis | None:
     """This worker's diagnosis of the batch at ``position``, with every variable restored."""
     if run.distributed is None:
+        return None
+    if run.cluster is not None and uses_own_step(run.model, None):
+        # The model's own train_step makes collectives of its own (its optimizers'
+        # all-reduces, its metrics' sync-on-read reads): re-run by one worker only, they
+        # would wait for peers that never join them.
         return None
     with preserved(_variables(run)):
         if getattr(run, "shuffled", False) and run.cluster is None:

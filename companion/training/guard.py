@@ -23,9 +23,9 @@ guide's) and decides, after it, whether the step counts.
   consecutive-skip limit was reached. Every variable read before the step is then
   written back, ``where(ok, new, old)``: nothing the step did remains, whoever wrote
   it. Under several replicas the same decision is taken on every replica (an
-  all-reduce), the update of the model's optimizer is put under a conditional, and a
-  model that applies other optimizers is refused before any step
-  (:func:`companion.training.loop` says why).
+  all-reduce), the update of the model's optimizer is put under a conditional, and
+  every replica puts back its own copy of every variable (other optimizers' writes
+  included).
 
 The step's record (loss, norm, applied or not, loss scale, NaN/Inf counts per variable
 on a skipped step) is written into a small buffer of variables, and the logs are re-read
@@ -173,10 +173,15 @@ class GuardedStep:
     def install(self) -> None:
         """Make ``model.fit`` run the guarded step (until :meth:`uninstall`)."""
         model = self.model
-        model.train_step = types.MethodType(lambda _model, data: self.train_step(data), model)
+        # Not converted by AutoGraph, as Keras' own step functions are not: under a
+        # strategy, strategy.run would otherwise try to convert these and warn that it
+        # cannot (the model's own train_step runs as fit runs it either way).
+        model.train_step = types.MethodType(
+            tf.autograph.experimental.do_not_convert(lambda _model, data: self.train_step(data)), model)
         self._originals = self._intercept()
         if self.multi_worker:
-            model.test_step = types.MethodType(lambda _model, data: self.test_step(data), model)
+            model.test_step = types.MethodType(
+                tf.autograph.experimental.do_not_convert(lambda _model, data: self.test_step(data)), model)
             _tf_internals.repair_symbolic_build_for_multi_worker(model)
         # fit builds its train function from model.train_step: the guarded one traced by
         # an earlier call of train, else a fresh one; the user's is put back afterwards.
@@ -283,7 +288,8 @@ class GuardedStep:
 
     def _record_raw(self, row, counts, written, consecutive, halted, applied) -> None:
         """The step's row of records, on one replica: raw writes, and no conditional but
-        the counts' (a halted step's row lands past the last one :meth:`drain` reads)."""
+        the counts' of a model of more than :data:`SELECT_LIMIT` weights (a halted step's
+        row lands past the last one :meth:`drain` reads)."""
         index = tf.reshape(tf.minimum(written, self.capacity - 1), [1, 1])
         tf.raw_ops.ResourceScatterNdUpdate(ref=self.records.handle, indices=index, updates=tf.reshape(row, [1, 4]))
         if counts is not None and self.counts.shape[-1] == len(self.variables):
@@ -293,7 +299,10 @@ class GuardedStep:
                     ref=self.counts.handle, indices=index, updates=tf.expand_dims(counts(), 0))
                 return tf.constant(0)
 
-            tf.cond(applied, lambda: tf.constant(0), write_counts)
+            if self._few_weights():
+                write_counts()  # at every step: an applied step's counts are never read
+            else:
+                tf.cond(applied, lambda: tf.constant(0), write_counts)
         running = tf.cast(tf.raw_ops.LogicalNot(x=halted), tf.int32)
         tf.raw_ops.AssignVariableOp(resource=self.written.handle, value=written + running)
         following = tf.raw_ops.SelectV2(condition=applied, t=tf.zeros_like(consecutive), e=consecutive + running)
@@ -386,12 +395,20 @@ class GuardedStep:
 
     def _counts(self, slot):
         grads = dict(slot.grads)
+        flatten = self._few_weights()
 
         def counts():
             """NaN and Inf counts per trainable variable's gradient, ``[2, n]``."""
-            return tf.raw_ops.Pack(values=list(nonfinite_counts([grads.get(id(v)) for v in self.variables])))
+            gradients = [grads.get(id(v)) for v in self.variables]
+            return tf.raw_ops.Pack(values=list(nonfinite_counts(gradients, flatten=flatten)))
 
         return counts
+
+    def _few_weights(self) -> bool:
+        """At most :data:`SELECT_LIMIT` trainable entries: the NaN/Inf counts are computed
+        at every step (a few ops over all gradients at once), without a conditional, whose
+        two traced branches cost a small model more than the counts."""
+        return _entries(self.variables) <= SELECT_LIMIT
 
     def _metric_names(self):
         return [m.name for m in self.model.metrics]

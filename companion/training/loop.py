@@ -21,7 +21,7 @@ from companion.optimizers import SkipNonFinite
 from companion.training.checkpoints import TrainingCheckpoint
 from companion.training.cluster import PEER_FAILURES, Cluster, arm_exit_after_worker_loss
 from companion.training.guard import (
-    DoctorView, GuardCallback, GuardedStep, asks_for_batch_hooks, model_cache, model_optimizers,
+    DoctorView, GuardCallback, GuardedStep, asks_for_batch_hooks, model_cache,
 )
 from companion.training.inputs import ON_NONFINITE, as_dataset, check_callbacks, check_targets, replay_batches
 from companion.training.results import TrainingHistory, WorkerLostError
@@ -176,10 +176,8 @@ def train(
             (``fit`` and ``compile`` raise their own errors for their arguments).
         ValueError: if a guard argument is out of range, a Keras loss would compare
             predictions with the wrong targets, the model was not created under the
-            strategy's scope, ``checkpoint_dir`` holds a checkpoint of another model, or
-            a ``train_step`` applies optimizers other than ``model.optimizer`` under
-            several replicas (the guard could not undo their writes there). All of these
-            are raised before any step runs.
+            strategy's scope, or ``checkpoint_dir`` holds a checkpoint of another model.
+            All of these are raised before any step runs.
         NonFiniteError: see ``on_nonfinite`` and ``max_consecutive_nonfinite``.
         WorkerLostError: under a multi-worker strategy, when another worker crashed or
             stopped responding.
@@ -237,7 +235,6 @@ def train(
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None and model.built and not optimizer.built and model.trainable_variables:
             optimizer.build(model.trainable_variables)  # as fit's symbolic build does
-    _check_guardable(model, strategy, on_nonfinite)
     cluster = Cluster.of(strategy)
     history, restored_epochs, checkpoint = _resume(model, cluster, checkpoint_dir)
     fit_arguments["initial_epoch"] = max(int(initial_epoch or 0), restored_epochs)
@@ -322,31 +319,6 @@ def _check_model(model) -> None:
     if not (isinstance(model, keras.layers.Layer) and trainer):
         kind = "a Keras layer that is not a model" if isinstance(model, keras.layers.Layer) else type(model).__name__
         raise TypeError(f"model must be a Keras model (keras.Model, e.g. keras.Sequential([layer])), got {kind}")
-
-
-def _check_guardable(model, strategy, on_nonfinite) -> None:
-    """Refuse, before any step, a model whose skipped steps the guard could not undo.
-
-    Under several replicas the guard puts the model's optimizer's update under a
-    conditional, and every replica puts back its own copy of every variable; a step that
-    applies other optimizers there (each with merge calls of its own) does not trace
-    with the guard's (a placeholder left unfed, or replicas making different numbers of
-    merge calls, tried with a two-optimizer model), so it is refused.
-    """
-    replicas = strategy.num_replicas_in_sync
-    if on_nonfinite == "ignore" or replicas == 1:
-        return
-    own = getattr(model, "optimizer", None)
-    others = [o for o in model_optimizers(model) if o is not own]
-    if others:
-        held = {id(value): name for name, value in vars(model).items()}
-        names = ", ".join(f"{held.get(id(o), o.name)} ({type(o).__name__})" for o in others)
-        raise ValueError(
-            f"model {model.name!r} applies optimizers other than model.optimizer ({names}) in its train_step: "
-            f"train guards such a step on one replica only, and this strategy has {replicas} (those optimizers' "
-            "merge calls do not trace with the guard's). Train it on one device, or call model.fit "
-            "with each optimizer wrapped in companion.optimizers.SkipNonFinite, or pass on_nonfinite='ignore'."
-        )
 
 
 def _check_scope(model, strategy) -> None:
