@@ -223,67 +223,116 @@ def _series(w: tf.Tensor, coefficients: tuple[float, ...]) -> tf.Tensor:
     return _estrin(w, coefficients) if w.dtype == tf.float64 else _horner(w, coefficients)
 
 
-def _tilted_mean_pieces(x: tf.Tensor):
-    """What the value and the derivative share: branch mask, series argument, the one quotient.
+def _half_exponential(x: tf.Tensor) -> tf.Tensor:
+    """c = e^(-|x|/2), in [0, 1] (never overflows), 0 at abs(x) = inf, NaN at NaN.
 
-    Each branch only ever sees inputs of its own region (the double-where of
-    `double_where`): the series argument is clipped to |z| <= 2 and the closed form's t to
-    t >= 4, so the autodiff of the derivative, i.e. the second derivative, is finite
-    everywhere too.
-
-    One division serves both branches: r = c / (1 + c) = sigmoid(-|x|/2) with
-    c = e^(-|x|/2) where |x| <= 4, and r = e / (1 - e) = 1/expm1(|x|) with e = e^(-|x|)
-    beyond. Under XLA it is computed with the exponential in one loop and shared by the
-    value's and the gradient's loops, which add one division each (1/t and 1/t^2).
+    The value and the derivative both start from c. Under XLA this is the only op they
+    share, so it gets a loop of its own (its result is read by both), and that loop is
+    written without a single constant: the halving is a division by 1 + 1, with the 1
+    made from x (x == x, cast: 1, or 0 at NaN, where the result is NaN anyway). t / 2 is
+    exact either way, so c is the same bits as exp(-0.5 * t). Why: XLA's CPU backend
+    (TF 2.21) compiles a fusion without broadcast constants with its tiled emitter, which
+    evaluates exp eight float64 lanes at a time, and any other fusion with its loop
+    emitter, four lanes at a time and a longer dependency chain; with a literal 0.5 the
+    exponential alone was about a third of the float64 forward and backward pass.
     """
-    dtype = x.dtype
-    switch = tf.constant(_TILTED_MEAN_SWITCH, dtype)
     t = tf.abs(x)
-    near = t <= switch  # False for NaN: NaN takes the closed form and propagates.
-    c = tf.exp(-0.5 * t)  # e^(-|x|/2) in [0, 1]: never overflows.
-    z = tf.clip_by_value(0.5 * x, -0.5 * switch, 0.5 * switch)  # = x/2 where |x| <= 4
-    # e^(-|x|) = c^2 in the closed-form region (0 elsewhere, so that 1 - e > 0). The
-    # select before the square also keeps XLA from rewriting c * c as a second exp.
+    one = tf.cast(tf.equal(x, x), x.dtype)
+    return tf.exp(-t / (one + one))
+
+
+def _far_region(x: tf.Tensor, c: tf.Tensor):
+    """What both closed forms use: the mask of the series region, t = max(|x|, 4), e, 1 - e.
+
+    e = e^(-|x|) = c^2 in the closed-form region and 0 in the series region, so that
+    1 - e >= 1 - e^(-4) > 0 wherever the closed form is evaluated, even where it is then
+    discarded (the double-where of `double_where`: the autodiff of the derivative, i.e. the
+    second derivative, sees only finite values). The select before the square also keeps
+    XLA from rewriting c * c as exp(-|x|), a second exponential.
+    """
+    switch = tf.constant(_TILTED_MEAN_SWITCH, x.dtype)
+    near = tf.abs(x) <= switch  # False for NaN: NaN takes the closed form and propagates.
     e = tf.square(tf.where(near, tf.zeros_like(c), c))
-    r = tf.where(near, c, e) / tf.where(near, 1.0 + c, 1.0 - e)
-    # 1 wherever the closed form is used, as the numerator of 1/t. A literal 1 would let
-    # tf.function's constant folding turn 1/t into Reciprocal(t), which TF's CPU kernel
-    # computes approximately in float32 (1 ulp off even at powers of two, thousands of
-    # ulps where 1/t is near the smallest normal number).
-    one_far = tf.where(near, tf.zeros_like(x), tf.ones_like(x))
-    t_far = tf.maximum(t, switch)
-    return near, z, r, one_far, t_far
+    return near, tf.maximum(tf.abs(x), switch), e, 1.0 - e
+
+
+def _series_argument(x: tf.Tensor) -> tf.Tensor:
+    """z = x/2 where |x| <= 4, clipped to [-2, 2] elsewhere (the series only sees its own region)."""
+    half_switch = 0.5 * _TILTED_MEAN_SWITCH
+    return tf.clip_by_value(0.5 * x, -half_switch, half_switch)
 
 
 def _tilted_mean_value(x: tf.Tensor) -> tf.Tensor:
-    near, z, r, one_far, t = _tilted_mean_pieces(x)
+    """f(x) = (s (q_1 - q_2) + b) m + k, two quotients each used once, the rest selected.
+
+    |x| <= 4 (halving identity): f(x) = (sigmoid(x/2) + f(x/2)) / 2, with
+    sigmoid(x/2) = q_1 = (1 or c) / (1 + c) (x >= 0 or x < 0), q_2 = 0 / t = 0, s = 1,
+    f(x/2) = b + 1/2, b = z P(z^2); m = 1/2 and k = 1/4: (q_1 + b) / 2 + 1/4 rounds once,
+    exactly as ((q_1 + b) + 1/2) / 2 does. Both halves are positive (no cancellation).
+
+    |x| > 4, t = |x|: f(-t) = 1/t - r, r = e / (1 - e) = 1/expm1(t), f(t) = 1 - f(-t):
+    q_1 = r, q_2 = 1/t, s = -1 (x < 0) or 1, b = 0 or 1, m = 1, k = 0. r is at most 7.5%
+    of 1/t, so the subtraction amplifies the rounding of its two terms by at most
+    (1 + 0.075) / (1 - 0.075) = 1.16. (One quotient ((1 - e) - t e) / (t (1 - e)) would
+    save a division but round once more, 1.66 ulp at worst on the test points in float64
+    instead of 1.31.)
+
+    Each quotient is used once, so that XLA fuses the whole value into one loop (a
+    division used twice gets a loop of its own and a round trip through memory).
+    """
+    c = _half_exponential(x)
+    near, t, e, one_minus_e = _far_region(x, c)
+    z = _series_argument(x)
     p, _ = _tilted_mean_coefficients(x.dtype.name)
-    # |x| <= 4: f(x) = (sigmoid(x/2) + f(x/2)) / 2 with f(x/2) = 1/2 + z P(z^2) and
-    # sigmoid(x/2) = 1 - r (x >= 0, where r <= 1/2) or r (x < 0). Summed as
-    # (sigmoid + z P) + 1/2: the order tf.function's arithmetic optimizer gives any chain
-    # of adds, so eager and graph results are the same bits.
-    sigmoid = tf.where(x >= 0, 1.0 - r, r)
-    near_value = 0.5 * ((sigmoid + z * _series(z * z, p)) + 0.5)
-    # |x| > 4: f(-t) = 1/t - 1/expm1(t) and f(t) = 1 - f(-t), with t = |x|.
-    small = one_far / t - r
-    far_value = tf.where(x > 0, 1.0 - small, small)
-    return tf.where(near, near_value, far_value)
+    ones, zeros = tf.ones_like(x), tf.zeros_like(x)
+    q_1 = tf.where(near, tf.where(x >= 0, ones, c), e) / tf.where(near, 1.0 + c, one_minus_e)
+    # 1 where the closed form is used, 0 elsewhere, as the numerator of 1/t: a literal 1
+    # would let tf.function's constant folding turn 1/t into Reciprocal(t), which TF's CPU
+    # kernel computes approximately in float32 (1 ulp off even at powers of two).
+    q_2 = tf.where(near, zeros, ones) / t
+    s = tf.where(near | (x > 0), ones, -ones)
+    b = tf.where(near, z * _series(z * z, p), tf.where(x > 0, ones, zeros))
+    m = tf.where(near, 0.5 * ones, ones)
+    k = tf.where(near, 0.25 * ones, zeros)
+    # Single adds, not chains that tf.function's arithmetic optimizer would regroup into an
+    # AddN: graph and eager results are the same bits.
+    return (s * (q_1 - q_2) + b) * m + k
 
 
 def _tilted_mean_derivative(x: tf.Tensor) -> tf.Tensor:
-    near, z, r, one_far, t = _tilted_mean_pieces(x)
+    """f'(x) = (s v + q_2 + b) m, v = r (1 + a r): two quotients r and q_2; the rest selected.
+
+    |x| <= 4: f'(x) = (sigmoid'(x/2) + f'(x/2)) / 4, with r = c / (1 + c) = sigmoid(-|x|/2),
+    sigmoid'(x/2) = r (1 - r) (a = -1; r <= 1/2, so 1 - r does not cancel, and near
+    x = 0, where r = 1/2, the product does not feel the rounding of r), f'(x/2) = b =
+    Q(z^2) = z^2 Q_1(z^2) + q_0, s = 1, q_2 = 0 / t = 0, m = 1/4 (exact). Both terms are
+    positive; Q is summed first, where its last rounding is at its own scale.
+
+    |x| > 4, t = |x|: f'(x) = 1/t^2 - r (1 + r), r = e / (1 - e) = 1/expm1(t) (a = 1,
+    s = -1, q_2 = 1 / (t t), b = 0, m = 1). The subtraction amplifies the rounding of its
+    terms by at most (1 + t^2 r (1 + r)) / (1 - t^2 r (1 + r)) = 1.87 at t = 4, falling to
+    1.20 at t = 6. At t = inf, t is replaced by the dtype's max (same f' = 0) so that the
+    second derivative is 0, not 0 * inf. 1/(t t) rounds twice, as (1/t)^2 would three times.
+
+    r is used only inside v (the two uses of one division fuse with it into one loop under
+    XLA), and v and q_2 once each.
+    """
+    c = _half_exponential(x)
+    near, t, e, one_minus_e = _far_region(x, c)
+    z = _series_argument(x)
     _, q = _tilted_mean_coefficients(x.dtype.name)
-    # |x| <= 4: f'(x) = (sigmoid'(x/2) + f'(x/2)) / 4, sigmoid'(x/2) = r (1 - r) (r <= 1/2,
-    # so 1 - r does not cancel) and f'(x/2) = Q(z^2) = q_0 + z^2 Q_1(z^2), summed as
-    # (sigmoid' + z^2 Q_1) + q_0 (see above).
-    w = z * z
-    near_derivative = 0.25 * ((r * (1.0 - r) + w * _series(w, q[:-1])) + q[-1])
-    # |x| > 4: f'(x) = 1/t^2 - r (1 + r). At t = inf, t is replaced by max (same f' = 0)
-    # so that the second derivative is 0, not 0 * inf. 1/(t t) rounds twice, as (1/t)^2
-    # would three times.
+    ones, zeros = tf.ones_like(x), tf.zeros_like(x)
+    n = tf.where(near, c, e)
+    d = tf.where(near, 1.0 + c, one_minus_e)
+    v = n * (d + tf.where(near, -n, n)) / (d * d)
     t = tf.minimum(t, x.dtype.max)
-    far_derivative = one_far / (t * t) - r * (1.0 + r)
-    return tf.where(near, near_derivative, far_derivative)
+    # 1 wherever the closed form is used, as the numerator of 1/(t t): a literal 1 would
+    # let tf.function's constant folding turn it into Reciprocal, approximate in float32.
+    q_2 = tf.where(near, zeros, ones) / (t * t)
+    w = z * z
+    b = tf.where(near, w * _series(w, q[:-1]) + q[-1], zeros)
+    s = tf.where(near, ones, -ones)
+    return ((s * v + q_2) + b) * tf.where(near, 0.25 * ones, ones)
 
 
 @tf.custom_gradient
