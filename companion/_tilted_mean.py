@@ -324,7 +324,7 @@ def _tilted_mean_derivative(x: tf.Tensor) -> tf.Tensor:
     ones, zeros = tf.ones_like(x), tf.zeros_like(x)
     n = tf.where(near, c, e)
     d = tf.where(near, 1.0 + c, one_minus_e)
-    v = n * (d + tf.where(near, -n, n)) / (d * d)
+    v = n / tf.where(near, 1.0 + c * (2.0 + c), d * d)
     t = tf.minimum(t, x.dtype.max)
     # 1 wherever the closed form is used, as the numerator of 1/(t t): a literal 1 would
     # let tf.function's constant folding turn it into Reciprocal, approximate in float32.
