@@ -213,7 +213,7 @@ def _estrin(w: tf.Tensor, coefficients: tuple[float, ...]) -> tf.Tensor:
 def _series(w: tf.Tensor, coefficients: tuple[float, ...]) -> tf.Tensor:
     """The series polynomial at `w`: by Estrin's scheme in float64, by Horner's rule in float32.
 
-    The polynomials are most of tilted_mean's arithmetic, evaluated for every element
+    The polynomials are much of tilted_mean's arithmetic, evaluated for every element
     (both branches are). In float64 (11 and 12 terms) Estrin's shorter chains make
     tilted_mean's forward and backward pass a little faster under XLA (0.95 and 0.98 times
     the time with Horner's rule in two runs of 41 side-by-side rounds on an AMD EPYC with
@@ -223,67 +223,112 @@ def _series(w: tf.Tensor, coefficients: tuple[float, ...]) -> tf.Tensor:
     return _estrin(w, coefficients) if w.dtype == tf.float64 else _horner(w, coefficients)
 
 
-def _tilted_mean_pieces(x: tf.Tensor):
-    """What the value and the derivative share: branch mask, series argument, the one quotient.
+def _half_exponential(x: tf.Tensor) -> tf.Tensor:
+    """c = e^(-|x|/2), in [0, 1] (never overflows), 0 at abs(x) = inf, NaN at NaN.
 
-    Each branch only ever sees inputs of its own region (the double-where of
-    `double_where`): the series argument is clipped to |z| <= 2 and the closed form's t to
-    t >= 4, so the autodiff of the derivative, i.e. the second derivative, is finite
-    everywhere too.
-
-    One division serves both branches: r = c / (1 + c) = sigmoid(-|x|/2) with
-    c = e^(-|x|/2) where |x| <= 4, and r = e / (1 - e) = 1/expm1(|x|) with e = e^(-|x|)
-    beyond. Under XLA it is computed with the exponential in one loop and shared by the
-    value's and the gradient's loops, which add one division each (1/t and 1/t^2).
+    The value and the derivative both start from c, and under XLA it is the only op they
+    share: the exponential gets a loop of its own, whose result both read, and each of
+    them does its own divisions in its own loop. (A division that both used would get a
+    loop of its own too, with the exponential: that loop, an exp and a division per
+    element, was the slowest of the three. Divisions are cheap next to XLA's float64 exp,
+    which is about a third of the float64 forward and backward pass.)
     """
-    dtype = x.dtype
-    switch = tf.constant(_TILTED_MEAN_SWITCH, dtype)
-    t = tf.abs(x)
-    near = t <= switch  # False for NaN: NaN takes the closed form and propagates.
-    c = tf.exp(-0.5 * t)  # e^(-|x|/2) in [0, 1]: never overflows.
-    z = tf.clip_by_value(0.5 * x, -0.5 * switch, 0.5 * switch)  # = x/2 where |x| <= 4
-    # e^(-|x|) = c^2 in the closed-form region (0 elsewhere, so that 1 - e > 0). The
-    # select before the square also keeps XLA from rewriting c * c as a second exp.
+    return tf.exp(-0.5 * tf.abs(x))
+
+
+def _far_region(x: tf.Tensor, c: tf.Tensor):
+    """What both closed forms use: the mask of the series region, t = max(|x|, 4), e, 1 - e.
+
+    e = e^(-|x|) = c^2 in the closed-form region and 0 in the series region, so that
+    1 - e >= 1 - e^(-4) > 0 wherever the closed form is evaluated, even where it is then
+    discarded (the double-where of `double_where`: the autodiff of the derivative, i.e. the
+    second derivative, sees only finite values). The select before the square also keeps
+    XLA from rewriting c * c as exp(-|x|), a second exponential.
+    """
+    switch = tf.constant(_TILTED_MEAN_SWITCH, x.dtype)
+    near = tf.abs(x) <= switch  # False for NaN: NaN takes the closed form and propagates.
     e = tf.square(tf.where(near, tf.zeros_like(c), c))
-    r = tf.where(near, c, e) / tf.where(near, 1.0 + c, 1.0 - e)
-    # 1 wherever the closed form is used, as the numerator of 1/t. A literal 1 would let
-    # tf.function's constant folding turn 1/t into Reciprocal(t), which TF's CPU kernel
-    # computes approximately in float32 (1 ulp off even at powers of two, thousands of
-    # ulps where 1/t is near the smallest normal number).
-    one_far = tf.where(near, tf.zeros_like(x), tf.ones_like(x))
-    t_far = tf.maximum(t, switch)
-    return near, z, r, one_far, t_far
+    return near, tf.maximum(tf.abs(x), switch), e, 1.0 - e
+
+
+def _series_argument(x: tf.Tensor, near: tf.Tensor) -> tf.Tensor:
+    """z = x/2 in the series region and 0 beyond (the series only sees its own region).
+
+    With z = 0, z P(z^2) is exactly 0 where the closed form is used, so the value adds it
+    unselected (one fused multiply-add under XLA, as z P + sigmoid written directly).
+    """
+    return tf.where(near, 0.5 * x, tf.zeros_like(x))
 
 
 def _tilted_mean_value(x: tf.Tensor) -> tf.Tensor:
-    near, z, r, one_far, t = _tilted_mean_pieces(x)
+    """f(x) = (+-(q_1 - q_2) + z P(z^2)) m + k: two quotients, each used once; m, k selected.
+
+    |x| <= 4 (halving identity): f(x) = (sigmoid(x/2) + f(x/2)) / 2 with
+    sigmoid(x/2) = q_1 = (1 or c) / (1 + c) (x >= 0 or x < 0, c = e^(-|x|/2)), q_2 = 0,
+    f(x/2) = z P(z^2) + 1/2, m = 1/2 and k = 1/4: (sigmoid + z P) / 2 + 1/4 rounds once,
+    exactly as ((sigmoid + z P) + 1/2) / 2 does. Both halves are positive (no
+    cancellation), and sigmoid(x/2) for x >= 0 is one division, not 1 - sigmoid(-x/2).
+
+    |x| > 4, t = |x|: f(-t) = 1/t - r with q_2 = 1/t and q_1 = r = e / (1 - e) =
+    1/expm1(t), and f(t) = 1 - f(-t): -(q_1 - q_2) + 0 for x < 0, (q_1 - q_2) + 1 for
+    x > 0 (z = 0, m = 1, k = 0 or 1; the negation is exact). r is at most 7.5% of 1/t, so
+    the subtraction amplifies the rounding of its two terms by at most
+    (1 + 0.075) / (1 - 0.075) = 1.16. One quotient ((1 - e) - t e) / (t (1 - e)) would save
+    a division but round once more (1.66 ulp at worst on the test points in float64,
+    instead of 1.31).
+
+    Each quotient is used once: under XLA a division with two users gets a loop of its
+    own, its result a round trip through memory.
+    """
+    c = _half_exponential(x)
+    near, t, e, one_minus_e = _far_region(x, c)
+    z = _series_argument(x, near)
     p, _ = _tilted_mean_coefficients(x.dtype.name)
-    # |x| <= 4: f(x) = (sigmoid(x/2) + f(x/2)) / 2 with f(x/2) = 1/2 + z P(z^2) and
-    # sigmoid(x/2) = 1 - r (x >= 0, where r <= 1/2) or r (x < 0). Summed as
-    # (sigmoid + z P) + 1/2: the order tf.function's arithmetic optimizer gives any chain
-    # of adds, so eager and graph results are the same bits.
-    sigmoid = tf.where(x >= 0, 1.0 - r, r)
-    near_value = 0.5 * ((sigmoid + z * _series(z * z, p)) + 0.5)
-    # |x| > 4: f(-t) = 1/t - 1/expm1(t) and f(t) = 1 - f(-t), with t = |x|.
-    small = one_far / t - r
-    far_value = tf.where(x > 0, 1.0 - small, small)
-    return tf.where(near, near_value, far_value)
+    ones, zeros = tf.ones_like(x), tf.zeros_like(x)
+    q_1 = tf.where(near, tf.where(x >= 0, ones, c), e) / tf.where(near, 1.0 + c, one_minus_e)
+    # 1 where the closed form is used, 0 elsewhere, as the numerator of 1/t: a literal 1
+    # would let tf.function's constant folding turn 1/t into Reciprocal(t), which TF's CPU
+    # kernel computes approximately in float32 (1 ulp off even at powers of two).
+    q_2 = tf.where(near, zeros, ones) / t
+    m = tf.where(near, 0.5 * ones, ones)
+    k = tf.where(near, 0.25 * ones, tf.where(x > 0, ones, zeros))
+    difference = q_1 - q_2
+    # Single adds, not chains that tf.function's arithmetic optimizer would regroup into an
+    # AddN: graph and eager results are the same bits.
+    return (tf.where(near | (x > 0), difference, -difference) + z * _series(z * z, p)) * m + k
 
 
 def _tilted_mean_derivative(x: tf.Tensor) -> tf.Tensor:
-    near, z, r, one_far, t = _tilted_mean_pieces(x)
+    """f'(x) = (+-v + q_2 + b) m: two quotients v and q_2, each used once; b, m selected.
+
+    |x| <= 4: f'(x) = (sigmoid'(x/2) + f'(x/2)) / 4 with sigmoid'(x/2) = v =
+    c / (1 + c (2 + c)) = c / (1 + c)^2, f'(x/2) = b = Q(z^2) = z^2 Q_1(z^2) + q_0,
+    q_2 = 0 and m = 1/4 (exact). Both terms are positive. (1 + c)^2 is summed as
+    1 + c (2 + c), so the rounding of 1 + c is not doubled by a square (on 3e6 random
+    float32 points: 0.43 ulp on average against 0.44 for r (1 - r), r = c / (1 + c), the
+    form that needs r twice), and Q is summed first, where its last rounding is at its own
+    scale, not at the sum's.
+
+    |x| > 4, t = |x|: f'(x) = 1/t^2 - e/(1 - e)^2 = q_2 - v with q_2 = 1/(t t) and
+    v = e / (1 - e)^2 = r (1 + r), b = 0, m = 1. The subtraction amplifies the rounding of
+    its terms by at most (1 + t^2 r (1 + r)) / (1 - t^2 r (1 + r)) = 1.87 at t = 4, falling
+    to 1.20 at t = 6. At t = inf, t is replaced by the dtype's max (same f' = 0) so that the
+    second derivative is 0, not 0 * inf. 1/(t t) rounds twice, as (1/t)^2 would three times.
+    """
+    c = _half_exponential(x)
+    near, t, e, one_minus_e = _far_region(x, c)
+    z = _series_argument(x, near)
     _, q = _tilted_mean_coefficients(x.dtype.name)
-    # |x| <= 4: f'(x) = (sigmoid'(x/2) + f'(x/2)) / 4, sigmoid'(x/2) = r (1 - r) (r <= 1/2,
-    # so 1 - r does not cancel) and f'(x/2) = Q(z^2) = q_0 + z^2 Q_1(z^2), summed as
-    # (sigmoid' + z^2 Q_1) + q_0 (see above).
-    w = z * z
-    near_derivative = 0.25 * ((r * (1.0 - r) + w * _series(w, q[:-1])) + q[-1])
-    # |x| > 4: f'(x) = 1/t^2 - r (1 + r). At t = inf, t is replaced by max (same f' = 0)
-    # so that the second derivative is 0, not 0 * inf. 1/(t t) rounds twice, as (1/t)^2
-    # would three times.
+    ones, zeros = tf.ones_like(x), tf.zeros_like(x)
+    v = tf.where(near, c, e) / tf.where(near, 1.0 + c * (2.0 + c), one_minus_e * one_minus_e)
     t = tf.minimum(t, x.dtype.max)
-    far_derivative = one_far / (t * t) - r * (1.0 + r)
-    return tf.where(near, near_derivative, far_derivative)
+    # 1 wherever the closed form is used, as the numerator of 1/(t t): a literal 1 would
+    # let tf.function's constant folding turn it into Reciprocal, approximate in float32.
+    q_2 = tf.where(near, zeros, ones) / (t * t)
+    w = z * z
+    b = tf.where(near, w * _series(w, q[:-1]) + q[-1], zeros)
+    # v times +-1 (exact): v used once (a select of v and -v would use it twice).
+    return ((tf.where(near, ones, -ones) * v + q_2) + b) * tf.where(near, 0.25 * ones, ones)
 
 
 @tf.custom_gradient
@@ -391,11 +436,14 @@ def tilted_mean(x, name: str | None = None) -> tf.Tensor:
     ``np.finfo(dtype).eps``: 5 terms for the value and 6 for the derivative in float32,
     11 and 12 in float64 (:func:`tilted_mean_series_terms`).
 
-    **Cost.** Under XLA every element evaluates both branches. One exponential and one
-    division, r = sigmoid(-abs(x)/2) or 1/expm1(abs(x)), are shared by the value and the
-    gradient; each adds its polynomial and one division (1/t for the value, 1/t^2 for the
-    derivative). ``benchmarks/tilted_mean.py`` measures forward + backward against the
-    naive formula (the book's chapter ``tools/performance``).
+    **Cost.** Under XLA every element evaluates both branches. One exponential,
+    e^(-abs(x)/2), is shared by the value and the gradient (a loop of its own); each of them
+    is one more loop with its polynomial and two divisions (the value: sigmoid(x/2) or
+    1/expm1(t), and 1/t; the derivative: sigmoid'(x/2) or e/(1 - e)^2, and 1/t^2), each
+    quotient used once, so that no quotient makes a loop and a pass through memory of its
+    own. In float64 XLA's CPU exp is the largest single cost, about a third of the pass.
+    ``benchmarks/tilted_mean.py`` measures forward + backward against the naive formula
+    (the book's chapter ``tools/performance``).
 
     **Gradient.** A ``tf.custom_gradient`` returns upstream * f'(x) with f' evaluated as
     above: autodiff of the value would differentiate through abs(x), which gives
@@ -405,7 +453,7 @@ def tilted_mean(x, name: str | None = None) -> tf.Tensor:
 
     **Accuracy**, measured against mpmath on 10^4 log-spaced points of both signs over
     the normal range plus dense grids on [-16, 16] (and on 3e6 random float32 points
-    against the float64 result): value within 1.7 ulp and derivative within 2.9 ulp in
+    against the float64 result): value within 1.7 ulp and derivative within 3.0 ulp in
     float32 and float64 (the tests assert 2 and 4), eagerly, under ``tf.function``
     (bit-identical to eager) and under XLA (which may differ from eager by an ulp).
     Results below the smallest normal number (f(x) for x < -1/tiny, f'(x) for
