@@ -113,7 +113,9 @@ def run_until_nonfinite(
     if isinstance(max_steps, bool) or not isinstance(max_steps, (int, np.integer)) or max_steps < 1:
         raise ValueError(f"max_steps must be a positive int, got {max_steps!r}")
     has_parameters = hasattr(model, "predict_parameters") and hasattr(model, "evaluate_terms")
-    model(batches[0][0])  # builds the model, so that the step is traced once
+    model(batches[0][0])  # builds the model and (below) the optimizer, so that the step is traced once
+    if not optimizer.built:  # as fit does: a first call that created its slots would be traced twice
+        optimizer.build(model.trainable_variables)
 
     @tf.function
     def step(inputs, targets):
@@ -240,6 +242,8 @@ def steps_to_reach(
     if isinstance(max_steps, bool) or not isinstance(max_steps, (int, np.integer)) or max_steps < 1:
         raise ValueError(f"max_steps must be a positive int, got {max_steps!r}")
     w = tf.Variable(np.atleast_1d(np.asarray(start, np.float32)))
+    if not optimizer.built:  # so that the step is traced once (a first call creating the slots is traced twice)
+        optimizer.build([w])
 
     @tf.function
     def step():

@@ -6,6 +6,8 @@ the layer and the line of the report's mechanism, and the fixed rebuild must tra
 finite weights.
 """
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -28,6 +30,7 @@ EXPECTED = {
 }
 
 
+@functools.cache  # the same diagnosis for every test that reads it (each takes a rebuild and a run)
 def _diagnosis(key):
     r = rebuild(key)
     if REPORTS[key].mode.startswith("fit"):
