@@ -66,30 +66,25 @@ def nonfinite_counts(gradients: Sequence[Any], flatten: bool = False) -> tuple[t
     one concatenation of all gradients and two segment sums: a handful of ops whatever the
     number of variables (for small models, whose every op costs more than its work).
     """
-    if flatten:
-        parts, sizes = [], []
-        for gradient in gradients:
-            if gradient is None:
-                sizes.append(0)
-                continue
-            size = gradient.shape.num_elements() if tf.is_tensor(gradient) else None
-            if size is None or isinstance(gradient, tf.IndexedSlices):
-                break
-            values = gradient if gradient.dtype == tf.float32 else tf.raw_ops.Cast(x=gradient, DstT=tf.float32)
-            parts.append(tf.raw_ops.Reshape(tensor=values, shape=[-1]))
-            sizes.append(size)
-        else:
-            if not parts:
-                zeros = tf.zeros([len(sizes)], tf.int64)
-                return zeros, zeros
-            flat = parts[0] if len(parts) == 1 else tf.raw_ops.ConcatV2(values=parts, axis=0)
-            ids = tf.constant(np.repeat(np.arange(len(sizes), dtype=np.int32), sizes))
-            return tuple(
-                tf.raw_ops.UnsortedSegmentSum(
-                    data=tf.raw_ops.Cast(x=test(x=flat), DstT=tf.int64), segment_ids=ids, num_segments=len(sizes)
-                )
-                for test in (tf.raw_ops.IsNan, tf.raw_ops.IsInf)
+    present = [g for g in gradients if g is not None]
+    if flatten and not any(isinstance(g, tf.IndexedSlices) or g.shape.num_elements() is None for g in present):
+        # Every dtype widens exactly to the widest one present (a float64 value cast to
+        # float32 could overflow into a spurious Inf).
+        wide = tf.float64 if any(g.dtype == tf.float64 for g in present) else tf.float32
+        if not present:
+            zeros = tf.zeros([len(gradients)], tf.int64)
+            return zeros, zeros
+        parts = [tf.raw_ops.Reshape(tensor=g if g.dtype == wide else tf.raw_ops.Cast(x=g, DstT=wide), shape=[-1])
+                 for g in present]
+        flat = parts[0] if len(parts) == 1 else tf.raw_ops.ConcatV2(values=parts, axis=0)
+        sizes = [0 if g is None else g.shape.num_elements() for g in gradients]
+        ids = tf.constant(np.repeat(np.arange(len(gradients), dtype=np.int32), sizes))
+        return tuple(
+            tf.raw_ops.UnsortedSegmentSum(
+                data=tf.raw_ops.Cast(x=test(x=flat), DstT=tf.int64), segment_ids=ids, num_segments=len(gradients)
             )
+            for test in (tf.raw_ops.IsNan, tf.raw_ops.IsInf)
+        )
     nan_counts, inf_counts = [], []
     for gradient in gradients:
         if gradient is None:

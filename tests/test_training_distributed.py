@@ -168,8 +168,7 @@ MIRRORED_SCRIPT = textwrap.dedent(
         return model, data
 
     def every_copy(model):
-        return {path: [np.array(t.numpy()) for t in getattr(v.value, "values", None) or (v.value,)]
-                for path, v in steps.every_variable(model, values=False).items()}
+        return {path: replica_values(v) for path, v in steps.every_variable(model, values=False).items()}
 
     def differing(a, b, seeds=False):
         return sorted(p for p in a if (p.endswith("seed_generator_state") == seeds)

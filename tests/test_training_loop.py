@@ -66,13 +66,15 @@ def test_the_flattened_nonfinite_counts_equal_the_per_gradient_ones(compiled):
     kernel[1, 2], kernel[3, 0], kernel[4, 3] = np.nan, np.inf, -np.inf
     half = np.array([65504.0, 1.0, np.nan], "float16") * np.array([2.0, 1.0, 1.0], "float16")  # inf, 1, nan
     gradients = [tf.constant(kernel), None, tf.constant(half), tf.constant(np.float32(np.nan)), tf.zeros([0, 3])]
+    # float64 beside float32: 1e300 is finite, and stays so in the flattened count.
+    gradients.append(tf.constant([1e300, np.inf], tf.float64))
 
     def both():
         return nonfinite_counts(gradients, flatten=True), nonfinite_counts(gradients)
 
     (flat_nan, flat_inf), (nan, inf) = tf.function(both)() if compiled else both()
-    assert flat_nan.numpy().tolist() == nan.numpy().tolist() == [1, 0, 1, 1, 0]
-    assert flat_inf.numpy().tolist() == inf.numpy().tolist() == [2, 0, 1, 0, 0]
+    assert flat_nan.numpy().tolist() == nan.numpy().tolist() == [1, 0, 1, 1, 0, 0]
+    assert flat_inf.numpy().tolist() == inf.numpy().tolist() == [2, 0, 1, 0, 0, 1]
     # An embedding's IndexedSlices (rows of unknown number) is counted one by one.
     sliced = tf.IndexedSlices(tf.constant([[np.nan, 1.0]]), tf.constant([0]), tf.constant([3, 2]))
     assert [t.numpy().tolist() for t in nonfinite_counts([sliced, tf.constant([np.inf])], flatten=True)] == [
