@@ -12,6 +12,8 @@ import yaml
 
 import book_tools
 import companion
+from companion.benchmark_results import BenchmarkResult, load_results
+from test_translations import _prose
 
 NOTEBOOKS = book_tools.notebooks()
 IDS = [str(p.relative_to(book_tools.BOOK)) for p in NOTEBOOKS]
@@ -293,3 +295,31 @@ def test_refreshed_outputs_are_never_made_with_the_ulp_perturbation(monkeypatch)
     refresh_notebooks.prepare_kernel_environment()
     assert "COMPANION_PERTURB_ULP" not in os.environ
     assert os.environ["PYTHONHASHSEED"] == "0"
+
+
+#: The fields of a shipped result that the performance page may quote.
+_QUOTED = ("ratio", "q1", "q3", "target", "cpu", "cpu_ratio", "fastest")
+
+
+def _quotable(result: BenchmarkResult) -> set[str]:
+    """Every value of ``result`` the page may state, as it would write it."""
+    values = [row[field] for row in result.ratios for field in _QUOTED if isinstance(row.get(field), (int, float))]
+    for model in result.document.get("split", {}).values():
+        for parts in model.values():
+            values.extend(parts.values())
+    return {text for value in values for text in (f"{value:.2f}", f"{value:.1f}", f"{value:g}")}
+
+
+def test_every_decimal_the_performance_page_states_is_a_value_of_its_shipped_results():
+    """The page's prose quotes the committed benchmark results, not an older run of them: a
+    number that no shipped result holds (a re-measured ratio whose sentence stayed behind, a
+    history of earlier runs) fails here. History belongs in the CHANGELOG."""
+    page = _load(book_tools.ROOT / "book" / "tools" / "performance.ipynb")
+    known = set().union(*(_quotable(result) for result in load_results()))
+    stray = []
+    for cell in page["cells"]:
+        if cell["cell_type"] != "markdown":
+            continue
+        prose = _prose("".join(cell["source"]))
+        stray += [m.group() for m in re.finditer(r"(?<![\w.])\d+\.\d+(?![\w.])", prose) if m.group() not in known]
+    assert not stray, f"numbers the shipped results do not hold: {stray}"
