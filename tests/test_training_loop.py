@@ -149,6 +149,11 @@ def test_skipped_step_leaves_weights_and_optimizer_state_unchanged(width, make_o
 
     assert history.update == update
     assert history.skipped == [1] and history.xla == xla
+    # The skipped step's NaN counts were recorded (without XLA a large model writes them
+    # in the put-back's conditional): every gradient of the poisoned batch is NaN.
+    gradients = history.reports[0].gradients
+    assert len(gradients) == len(poisoned_model.trainable_variables)
+    assert all(g.nan_count == int(np.prod(g.shape)) for g in gradients)
     assert int(poisoned_opt.iterations) == 1
     # Weights, batch-norm statistics (restored after the NaN forward pass), Adam state.
     assert_bit_identical(state_of(poisoned_model, poisoned_opt), state_of(clean_model, clean_opt))
