@@ -150,7 +150,7 @@ def test_skipped_step_leaves_weights_and_optimizer_state_unchanged(width, make_o
     assert history.update == update
     assert history.skipped == [1] and history.xla == xla
     # The skipped step's NaN counts were recorded (without XLA a large model writes them
-    # in the put-back's conditional): every gradient of the poisoned batch is NaN.
+    # under a conditional of their own): every gradient of the poisoned batch is NaN.
     gradients = history.reports[0].gradients
     assert len(gradients) == len(poisoned_model.trainable_variables)
     assert all(g.nan_count == int(np.prod(g.shape)) for g in gradients)
