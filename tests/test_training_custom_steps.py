@@ -360,6 +360,27 @@ def test_the_issue_s_own_optimizer_step_is_skipped_and_changes_nothing():
     assert int(model.d_opt.iterations) == 0
 
 
+@pytest.mark.parametrize("steps_per_execution", [1, 4])
+def test_the_doctor_s_rerun_of_a_custom_step_leaves_the_guard_counting_and_applying(steps_per_execution):
+    # Batch 0 alone is poisoned (sqrt(0) where the prediction equals the target). The
+    # doctor re-runs that step to diagnose it; a re-run of the *guarded* step counted in
+    # the guard's records and consecutive skips: the later steps were halted (applied
+    # nothing) and went unrecorded.
+    x = np.zeros((64, 4), "float32")
+    y = np.ones((64, 1), "float32")
+    y[:16] = 0.0
+    model = OwnOptimizer(root=True)
+    model.compile(optimizer="sgd", loss="mse")
+    model(x[:1])
+    history = train(model, x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
+                    max_consecutive_nonfinite=2, steps_per_execution=steps_per_execution)
+
+    assert history.skipped == [0] and history.steps == 4
+    assert history.reports[0].diagnosis is not None
+    assert history.reports[0].diagnosis.cause == "singular_derivative"
+    assert int(model.d_opt.iterations) == 3
+
+
 class Overflowing(keras.Model):
     """Finite loss and gradients, a non-finite write: the update overflows float32, or the
     step assigns a variable of its own an overflowing value."""

@@ -46,6 +46,7 @@ The design is derived in the chapter *A training loop that survives NaN*.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import types
@@ -188,6 +189,19 @@ class GuardedStep:
         self._user_functions = (model.train_function, model.test_function)
         model.train_function = getattr(self, "_train_function", None)
         model.test_function = getattr(self, "_test_function", None) if self.multi_worker else None
+
+    @contextlib.contextmanager
+    def model_s_own_steps(self):
+        """The model's own ``train_step`` and ``test_step`` for the duration (the doctor
+        re-runs a skipped step with them): a re-run of the guarded step would count in the
+        guard's records and consecutive skips, and halt the steps after it."""
+        model = self.model
+        installed = {name: vars(model).pop(name) for name in ("train_step", "test_step") if name in vars(model)}
+        try:
+            yield
+        finally:
+            for name, value in installed.items():
+                setattr(model, name, value)
 
     def forget_functions(self) -> None:
         """Trace afresh at the next install (e.g. after ``jit_compile`` changed)."""
@@ -827,16 +841,17 @@ class GuardCallback(keras.callbacks.Callback):
                     loss_scale=scale, grad_norm=norm,
                     # The NaN doctor, once per run: on the first skipped step only (on every
                     # worker: the hook's exchange is a collective every worker must join).
-                    diagnosis=(
-                        None if history.reports or self.doctor is None
-                        else diagnose_skipped_step(self.doctor, index)
-                    ),
+                    diagnosis=None if history.reports or self.doctor is None else self._diagnose(index),
                 )
             )
         self._watch_loss_scale()
         consecutive = history.trailing_nonfinite()
         if self.step.guard and consecutive >= self.limit:
             raise nonfinite_error(history, consecutive, self.limit, self.on_nonfinite, self.step.loss_scaler is not None)
+
+    def _diagnose(self, index):
+        with self.step.model_s_own_steps():
+            return diagnose_skipped_step(self.doctor, index)
 
     def on_epoch_end(self, epoch, logs=None):
         history = self.training_history
