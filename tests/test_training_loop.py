@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from companion.training import NonFiniteError, SkippedStep, TrainingHistory, train
+from companion.training.loop import MIN_STEPS_FOR_LOOP
 from training_data import (
     BATCH,
     FEATURES,
@@ -460,11 +461,28 @@ def test_epoch_checkpoints_leave_train_several_steps_per_host_call_and_per_step_
     assert not asks_for_batch_hooks(epoch_savers)
     assert asks_for_batch_hooks([keras.callbacks.ModelCheckpoint(str(tmp_path / "m.keras"), save_freq=1)])
     assert asks_for_batch_hooks([Custom(str(tmp_path / "m.keras"))])
+    epochs = MIN_STEPS_FOR_LOOP // N_BATCHES  # a call long enough for the multi-step loop
     for callbacks, steps in ((epoch_savers[:1], N_BATCHES), ([Custom(str(tmp_path / "c.keras"))], 1)):
         watch = _StepsPerCall()
-        train(make_model(), make_dataset(), loss="mse", optimizer=keras.optimizers.SGD(0.01), epochs=2,
+        train(make_model(), make_dataset(), loss="mse", optimizer=keras.optimizers.SGD(0.01), epochs=epochs,
               callbacks=[*callbacks, watch], verbose=0)
-        assert watch.seen == [steps, steps]
+        assert watch.seen == [steps] * epochs
+
+
+@pytest.mark.parametrize("epochs", [1, MIN_STEPS_FOR_LOOP // N_BATCHES - 1, MIN_STEPS_FOR_LOOP // N_BATCHES])
+def test_train_runs_an_epoch_per_host_call_only_on_a_call_of_at_least_min_steps(epochs):
+    # A shorter call would pay more for tracing Keras' multi-step loop than it saves.
+    watch = _StepsPerCall()
+    history = train(make_model(), make_dataset(), loss="mse", optimizer=keras.optimizers.SGD(0.01),
+                    epochs=epochs, callbacks=[watch], verbose=0)
+    long_enough = epochs * N_BATCHES >= MIN_STEPS_FOR_LOOP
+    assert watch.seen == [N_BATCHES if long_enough else 1] * epochs
+    assert history.steps == epochs * N_BATCHES
+    # initial_epoch counts: the epochs left to run decide.
+    watch = _StepsPerCall()
+    train(make_model(), make_dataset(), loss="mse", optimizer=keras.optimizers.SGD(0.01), epochs=epochs + 1,
+          initial_epoch=1, callbacks=[watch], verbose=0)
+    assert watch.seen == [N_BATCHES if long_enough else 1] * epochs
 
 
 def test_the_doctor_finds_the_first_skipped_batch_of_arrays_and_skips_inputs_it_cannot_reread():

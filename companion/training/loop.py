@@ -28,6 +28,11 @@ from companion.training.results import TrainingHistory, WorkerLostError
 
 #: The most steps one host call runs when ``train`` chooses ``steps_per_execution``.
 MAX_STEPS_PER_EXECUTION = 1024
+#: The fewest steps (epochs times steps per epoch) of a call for which ``train`` chooses
+#: several steps per host call. Keras' multi-step loop costs a first call about as much
+#: to trace and optimise as some 30 host calls cost (benchmarks/cold_start.py: on a
+#: compute-bound MLP, 16 steps took 0.1 s longer with it, 48 steps 0.05 s shorter).
+MIN_STEPS_FOR_LOOP = 32
 
 
 def train(
@@ -87,10 +92,13 @@ def train(
       ``reports``), never as a log key: the logs, the ``History`` and ``CSVLogger``'s
       columns have exactly ``fit``'s keys.
     * Callbacks run as ``fit`` runs them, batch hooks every ``steps_per_execution``
-      steps. When neither ``compile`` nor ``train`` was given ``steps_per_execution``
-      and no callback overrides a batch hook, ``train`` runs up to a whole epoch (at most
-      1024 steps) per host call, as ``fit`` with that ``steps_per_execution`` would; the
-      progress bar is then updated after each host call.
+      steps. When neither ``compile`` nor ``train`` was given ``steps_per_execution``,
+      no callback overrides a batch hook and the call runs at least 32 steps
+      (``MIN_STEPS_FOR_LOOP``, epochs times steps per epoch), ``train`` runs up to a
+      whole epoch (at most 1024 steps) per host call, as ``fit`` with that
+      ``steps_per_execution`` would; the progress bar is then updated after each host
+      call. A shorter call runs one step per host call, as ``fit`` does: Keras'
+      multi-step loop would cost it more to trace than it saves.
     * ``MultiWorkerMirroredStrategy``: Keras 3's ``fit`` fails under it; ``train`` repairs
       the two places (the example batch of the symbolic build, the reduction of the
       logs). Every worker calls ``train`` with the same arguments (see
@@ -258,7 +266,8 @@ def train(
     if chosen and strategy.num_replicas_in_sync == 1:
         # (Keras 3.15's multi-step loop fails under MirroredStrategy: one step per call there.)
         model.steps_per_execution = _steps_per_execution(
-            x, batch_size, steps_per_epoch, validation_split, whole_epochs_only=not short_calls
+            x, batch_size, steps_per_epoch, validation_split, whole_epochs_only=not short_calls,
+            epochs=int(epochs) - fit_arguments["initial_epoch"],
         )
     step = _guarded_step(model, strategy, guard=on_nonfinite != "ignore", clip=clip_global_norm, limit=limit)
     doctor = DoctorView(
@@ -405,8 +414,10 @@ def _build(model, x) -> None:
         pass
 
 
-def _steps_per_execution(x, batch_size, steps_per_epoch, validation_split, whole_epochs_only=False) -> int:
-    """Steps per host call when no one asked for per-step hooks: up to an epoch.
+def _steps_per_execution(x, batch_size, steps_per_epoch, validation_split, whole_epochs_only=False,
+                         epochs=1) -> int:
+    """Steps per host call when no one asked for per-step hooks: up to an epoch, when the
+    ``epochs`` of the call run at least :data:`MIN_STEPS_FOR_LOOP` steps (else 1).
 
     With ``whole_epochs_only`` (an older Keras that drops a short last call), only an
     epoch of at most ``MAX_STEPS_PER_EXECUTION`` batches runs in one call; else 1.
@@ -426,6 +437,8 @@ def _steps_per_execution(x, batch_size, steps_per_epoch, validation_split, whole
             rows = int(rows * (1 - (validation_split or 0.0)))
             batches = max(1, math.ceil(rows / (batch_size or 32)))
     if batches is None or (whole_epochs_only and batches > MAX_STEPS_PER_EXECUTION):
+        return 1
+    if batches * max(int(epochs), 1) < MIN_STEPS_FOR_LOOP:
         return 1
     return max(1, min(batches, MAX_STEPS_PER_EXECUTION))
 
