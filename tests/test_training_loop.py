@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from companion.training import NonFiniteError, SkippedStep, TrainingHistory, train
-from companion.training.loop import MIN_STEPS_FOR_LOOP
+from companion.training.loop import MIN_STEPS_FOR_LOOP, MIN_STEPS_FOR_LOOP_PER_VARIABLE
 from training_data import (
     BATCH,
     FEATURES,
@@ -483,6 +483,23 @@ def test_train_runs_an_epoch_per_host_call_only_on_a_call_of_at_least_min_steps(
     train(make_model(), make_dataset(), loss="mse", optimizer=keras.optimizers.SGD(0.01), epochs=epochs + 1,
           initial_epoch=1, callbacks=[watch], verbose=0)
     assert watch.seen == [N_BATCHES if long_enough else 1] * epochs
+
+
+def test_a_model_of_many_variables_needs_a_longer_call_for_several_steps_per_host_call():
+    # The loop's one-off cost grows with the step's graph: 4 steps per trainable variable.
+    def deep():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((FEATURES,)), *[keras.layers.Dense(4) for _ in range(11)],
+                                 keras.layers.Dense(1)])
+
+    variables = len(deep().trainable_variables)
+    needed = MIN_STEPS_FOR_LOOP_PER_VARIABLE * variables
+    assert needed > MIN_STEPS_FOR_LOOP
+    for epochs in (MIN_STEPS_FOR_LOOP // N_BATCHES, -(-needed // N_BATCHES)):
+        watch = _StepsPerCall()
+        train(deep(), make_dataset(), loss="mse", optimizer=keras.optimizers.SGD(0.01), epochs=epochs,
+              callbacks=[watch], verbose=0)
+        assert watch.seen == [N_BATCHES if epochs * N_BATCHES >= needed else 1] * epochs
 
 
 def test_the_doctor_finds_the_first_skipped_batch_of_arrays_and_skips_inputs_it_cannot_reread():

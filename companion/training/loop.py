@@ -29,10 +29,13 @@ from companion.training.results import TrainingHistory, WorkerLostError
 #: The most steps one host call runs when ``train`` chooses ``steps_per_execution``.
 MAX_STEPS_PER_EXECUTION = 1024
 #: The fewest steps (epochs times steps per epoch) of a call for which ``train`` chooses
-#: several steps per host call. Keras' multi-step loop costs a first call about as much
-#: to trace and optimise as some 30 host calls cost (benchmarks/cold_start.py: on a
-#: compute-bound MLP, 16 steps took 0.1 s longer with it, 48 steps 0.05 s shorter).
+#: several steps per host call, at least, and per trainable variable. Keras' multi-step
+#: loop costs a first call about as much to trace and optimise as some 30 host calls
+#: cost, more for a larger step graph (benchmarks/cold_start.py: on a compute-bound MLP
+#: of 6 variables, 16 steps took 0.1 s longer with it, 48 steps 0.05 s shorter; the
+#: book's ParameterNet, 18 variables, took 0.2 s longer over 48 steps).
 MIN_STEPS_FOR_LOOP = 32
+MIN_STEPS_FOR_LOOP_PER_VARIABLE = 4
 
 
 def train(
@@ -93,8 +96,8 @@ def train(
       columns have exactly ``fit``'s keys.
     * Callbacks run as ``fit`` runs them, batch hooks every ``steps_per_execution``
       steps. When neither ``compile`` nor ``train`` was given ``steps_per_execution``,
-      no callback overrides a batch hook and the call runs at least 32 steps
-      (``MIN_STEPS_FOR_LOOP``, epochs times steps per epoch), ``train`` runs up to a
+      no callback overrides a batch hook and the call runs at least 32 steps, and 4 per
+      trainable variable (epochs times steps per epoch), ``train`` runs up to a
       whole epoch (at most 1024 steps) per host call, as ``fit`` with that
       ``steps_per_execution`` would; the progress bar is then updated after each host
       call. A shorter call runs one step per host call, as ``fit`` does: Keras'
@@ -267,7 +270,7 @@ def train(
         # (Keras 3.15's multi-step loop fails under MirroredStrategy: one step per call there.)
         model.steps_per_execution = _steps_per_execution(
             x, batch_size, steps_per_epoch, validation_split, whole_epochs_only=not short_calls,
-            epochs=int(epochs) - fit_arguments["initial_epoch"],
+            epochs=int(epochs) - fit_arguments["initial_epoch"], variables=len(model.trainable_variables),
         )
     step = _guarded_step(model, strategy, guard=on_nonfinite != "ignore", clip=clip_global_norm, limit=limit)
     doctor = DoctorView(
@@ -415,9 +418,10 @@ def _build(model, x) -> None:
 
 
 def _steps_per_execution(x, batch_size, steps_per_epoch, validation_split, whole_epochs_only=False,
-                         epochs=1) -> int:
+                         epochs=1, variables=0) -> int:
     """Steps per host call when no one asked for per-step hooks: up to an epoch, when the
-    ``epochs`` of the call run at least :data:`MIN_STEPS_FOR_LOOP` steps (else 1).
+    ``epochs`` of the call run at least :data:`MIN_STEPS_FOR_LOOP` steps and
+    :data:`MIN_STEPS_FOR_LOOP_PER_VARIABLE` per trainable variable (else 1).
 
     With ``whole_epochs_only`` (an older Keras that drops a short last call), only an
     epoch of at most ``MAX_STEPS_PER_EXECUTION`` batches runs in one call; else 1.
@@ -438,7 +442,7 @@ def _steps_per_execution(x, batch_size, steps_per_epoch, validation_split, whole
             batches = max(1, math.ceil(rows / (batch_size or 32)))
     if batches is None or (whole_epochs_only and batches > MAX_STEPS_PER_EXECUTION):
         return 1
-    if batches * max(int(epochs), 1) < MIN_STEPS_FOR_LOOP:
+    if batches * max(int(epochs), 1) < max(MIN_STEPS_FOR_LOOP, MIN_STEPS_FOR_LOOP_PER_VARIABLE * variables):
         return 1
     return max(1, min(batches, MAX_STEPS_PER_EXECUTION))
 
