@@ -21,6 +21,8 @@ import pathlib
 import re
 import sys
 
+from companion.benchmark_results import short_cpu_name
+
 #: Where the results the package ships (and the performance chapter shows) live.
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "companion" / "benchmark_results"
 
@@ -44,7 +46,7 @@ def cpu_description() -> dict:
         text = ""
     match = re.search(r"^model name\s*:\s*(.+)$", text, re.MULTILINE)
     if match:
-        model = " ".join(match.group(1).split())
+        model = short_cpu_name(match.group(1))
     match = re.search(r"^flags\s*:\s*(.+)$", text, re.MULTILINE)
     if match:
         present = set(match.group(1).split())

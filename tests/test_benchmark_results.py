@@ -130,7 +130,7 @@ def test_invalid_json_is_a_value_error_naming_the_file(tmp_path):
 def test_the_docstring_examples_run():
     finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
     tests = [test for test in finder.find(benchmark_results) if test.examples]
-    assert len(tests) == 4  # from_document, setting, load_results, results_directory
+    assert len(tests) == 5  # from_document, setting, load_results, results_directory, short_cpu_name
     for test in tests:
         runner.run(test)
     assert runner.summarize(verbose=False).failed == 0
@@ -181,3 +181,16 @@ def test_the_verdict_says_whether_the_spread_of_the_rounds_resolves_the_target(q
     document["ratios"][0].update(q1=q1, q3=q3)
     row = BenchmarkResult.from_document(document).ratios[0]
     assert row["verdict"] == verdict
+
+
+def test_a_cpu_model_name_loses_its_trademark_signs_and_a_trailing_processor():
+    assert benchmark_results.short_cpu_name("Intel(R) Xeon(R) Processor") == "Intel Xeon"
+    assert benchmark_results.short_cpu_name("Intel(R) Xeon(R) Platinum 8488C CPU @ 2.40GHz") == "Intel Xeon Platinum 8488C"
+    assert benchmark_results.short_cpu_name("Intel(R) Core(TM) i7-8700 CPU") == "Intel Core i7-8700"
+    assert benchmark_results.short_cpu_name("AMD EPYC 7B13 64-Core Processor") == "AMD EPYC 7B13 64-Core"
+    assert benchmark_results.short_cpu_name("AMD EPYC") == "AMD EPYC"
+    # What the performance page shows of a file that recorded the long name.
+    result = benchmark_results.BenchmarkResult.from_document({
+        "benchmark": "b", "cpu": {"model": "Intel(R) Xeon(R) Processor", "flags": ["avx512f"]},
+        "onednn": {"enabled": True}, "ratios": []})
+    assert result.setting == "Intel Xeon AVX-512, oneDNN on"

@@ -20,9 +20,10 @@ import importlib.resources
 import json
 import os
 import pathlib
+import re
 from typing import Any, Mapping
 
-__all__ = ["BenchmarkResult", "load_results", "results_directory"]
+__all__ = ["BenchmarkResult", "load_results", "results_directory", "short_cpu_name"]
 
 _RATIO_FIELDS = ("label", "ratio", "target")
 
@@ -132,6 +133,19 @@ class BenchmarkResult:
         )
 
 
+def short_cpu_name(model: str) -> str:
+    """A CPU model name without trademark signs and a trailing "Processor", "CPU" or
+    "CPU @ <clock>".
+
+    Example:
+        >>> short_cpu_name("Intel(R) Xeon(R) Processor")
+        'Intel Xeon'
+    """
+    name = re.sub(r"\((R|TM|tm)\)", "", model)
+    name = re.sub(r"\s+(Processor|CPU( @ .*)?)$", "", " ".join(name.split()))
+    return name or model.strip()
+
+
 def _cpu_name(document: Mapping[str, Any]) -> str:
     """The CPU model recorded in ``document``, under any of the names it may have."""
     for key in ("cpu_model", "cpu"):
@@ -139,7 +153,7 @@ def _cpu_name(document: Mapping[str, Any]) -> str:
         if isinstance(value, Mapping):
             value = value.get("model") or value.get("name")
         if isinstance(value, str) and value.strip():
-            return value.strip()
+            return short_cpu_name(value)
     return str(document.get("machine", "unknown machine"))
 
 
