@@ -191,7 +191,7 @@ class GuardedStep:
         model.test_function = getattr(self, "_test_function", None) if self.multi_worker else None
 
     @contextlib.contextmanager
-    def model_s_own_steps(self):
+    def unguarded_steps(self):
         """The model's own ``train_step`` and ``test_step`` for the duration (the doctor
         re-runs a skipped step with them): a re-run of the guarded step would count in the
         guard's records and consecutive skips, and halt the steps after it."""
@@ -850,7 +850,7 @@ class GuardCallback(keras.callbacks.Callback):
             raise nonfinite_error(history, consecutive, self.limit, self.on_nonfinite, self.step.loss_scaler is not None)
 
     def _diagnose(self, index):
-        with self.step.model_s_own_steps():
+        with self.step.unguarded_steps():
             return diagnose_skipped_step(self.doctor, index)
 
     def on_epoch_end(self, epoch, logs=None):

@@ -31,9 +31,9 @@ MAX_STEPS_PER_EXECUTION = 1024
 #: The fewest steps (epochs times steps per epoch) of a call for which ``train`` chooses
 #: several steps per host call, at least, and per trainable variable. Keras' multi-step
 #: loop costs a first call about as much to trace and optimise as some 30 host calls
-#: cost, more for a larger step graph (benchmarks/cold_start.py: on a compute-bound MLP
-#: of 6 variables, 16 steps took 0.1 s longer with it, 48 steps 0.05 s shorter; the
-#: book's ParameterNet, 18 variables, took 0.2 s longer over 48 steps).
+#: cost, more for a larger step graph (measured on fresh models: the cold-start
+#: benchmark's compute-bound MLP, 6 variables, took 0.1 s longer with it over 16 steps and
+#: 0.05 s less over 48; the book's ParameterNet, 18 variables, 0.2 s longer over 48).
 MIN_STEPS_FOR_LOOP = 32
 MIN_STEPS_FOR_LOOP_PER_VARIABLE = 4
 
