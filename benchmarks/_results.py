@@ -6,8 +6,8 @@ AVX-512 and off otherwise; ``TF_ENABLE_ONEDNN_OPTS=0`` or ``=1`` decides), and t
 Ratios from different CPUs differ, so results of several CPUs are kept side by side:
 `default_path` names a file after the benchmark, the CPU and the oneDNN setting.
 
-The results the book shows ship with the package, in ``companion/benchmark_results/``
-(read by :func:`companion.benchmark_results.load_results`): ``--json auto`` and a bare
+The results the book shows ship with the package, in ``companion/book/benchmark_results/``
+(read by :func:`companion.book.benchmark_results.load_results`): ``--json auto`` and a bare
 file name write there; a path with a folder writes where it says.
 """
 
@@ -21,10 +21,10 @@ import pathlib
 import re
 import sys
 
-from companion.benchmark_results import short_cpu_name
+from companion.book.benchmark_results import short_cpu_name
 
 #: Where the results the package ships (and the performance chapter shows) live.
-RESULTS = pathlib.Path(__file__).resolve().parents[1] / "companion" / "benchmark_results"
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "companion" / "book" / "benchmark_results"
 
 #: CPU flags (as /proc/cpuinfo spells them) that decide which kernels TensorFlow, oneDNN and
 #: XLA's code generator use.
@@ -92,7 +92,7 @@ def _slug(text: str) -> str:
 
 
 def default_path(benchmark: str) -> str:
-    """``companion/benchmark_results/<benchmark>--<cpu>--onednn-<on|off>.json`` for this machine and setting."""
+    """``companion/book/benchmark_results/<benchmark>--<cpu>--onednn-<on|off>.json`` for this machine and setting."""
     cpu = cpu_description()
     flags = cpu["flags"] or []
     # The widest vector extension goes into the name: one model name can hide both.

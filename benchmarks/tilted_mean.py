@@ -16,7 +16,7 @@ median times of each candidate and the median of the per-round ratios of process
 time. ``--quick`` (10^4 elements, 5 rounds: a few seconds) only checks that the benchmark
 runs. With ``--json`` it also writes the ratios, the CPU, the oneDNN setting and the
 stack, for the book's performance page. ``--json auto`` names the
-file after the CPU and the oneDNN setting (``companion/benchmark_results/tilted_mean--<cpu>--
+file after the CPU and the oneDNN setting (``companion/book/benchmark_results/tilted_mean--<cpu>--
 onednn-<on|off>.json``), so results from several CPUs sit side by side. oneDNN is chosen
 when TensorFlow starts: run once with ``TF_ENABLE_ONEDNN_OPTS=0`` and once with ``=1``.
 """
@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from companion.numerics import tilted_mean  # noqa: E402
-from companion.reproductions import naive_tilted_mean  # noqa: E402
+from companion.book.reproductions import naive_tilted_mean  # noqa: E402
 
 
 #: The target of issue 28: tilted_mean at most 1.2 times the naive formula.

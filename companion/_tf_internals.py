@@ -570,7 +570,7 @@ def tasks_named_in(text: str) -> tuple[str, ...]:
 # ``restore()`` was called ("restore on create") by passing a
 # ``tensorflow.python.trackable.base.CheckpointInitialValueCallable`` as the
 # ``initial_value`` of the new variable, through every variable creator.
-# Why: ``companion.notebook.setup(perturb_ulp=True)`` moves every new variable's initial
+# Why: ``companion.book.notebook.setup(perturb_ulp=True)`` moves every new variable's initial
 # value by one ulp; a value read from a checkpoint must come back bit for bit, as it would
 # through an ``assign``.
 # If gone: ``is_checkpoint_restore`` recognises the value by its ``checkpoint_position``

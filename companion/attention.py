@@ -2,7 +2,7 @@
 
 :func:`scaled_dot_product_attention` is the function; :class:`AttentionBlock` is the
 Keras layer (multi-head self-attention, residual connection, optional layer
-normalisation) that :class:`companion.models.ParameterNet` reads its input with. Both
+normalisation) that :class:`companion.book.models.ParameterNet` reads its input with. Both
 take ``scaled=False`` for the unscaled form of case A's model, so a chapter can compare.
 """
 
@@ -13,7 +13,7 @@ import math
 import keras
 import tensorflow as tf
 
-from companion.numerics import _as_float_tensor
+from companion._checks import as_float_tensor as _as_float_tensor
 from companion._checks import check_int, is_half
 
 __all__ = ["AttentionBlock", "scaled_dot_product_attention"]
@@ -128,7 +128,7 @@ class AttentionBlock(keras.layers.Layer):
         y       = x + concat_h(heads_h) W_o
         output  = LayerNorm(y)   (or y, with layer_norm=False)
 
-    The block :class:`companion.models.ParameterNet` reads its sampled points with. The
+    The block :class:`companion.book.models.ParameterNet` reads its sampled points with. The
     attention is :func:`scaled_dot_product_attention`, so masked points are handled
     without NaN and half precision works. Kernels use Glorot-normal initialisation and
     biases start at 0 (the seed answer's advice); ``layer_norm=True`` normalises the

@@ -1,4 +1,4 @@
-"""companion.accuracy: the mpmath reference of f(x) = 1/(1 - e^-x) - 1/x and errors in ulps."""
+"""companion.book.accuracy: the mpmath reference of f(x) = 1/(1 - e^-x) - 1/x and errors in ulps."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from companion import accuracy
-from companion.accuracy import tilted_mean_reference, ulp_error
+from companion.book import accuracy
+from companion.book.accuracy import tilted_mean_reference, ulp_error
 
 # --- the reference -----------------------------------------------------------------------
 

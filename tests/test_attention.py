@@ -11,7 +11,7 @@ from hypothesis.extra import numpy as hnp
 
 import keras
 from companion.attention import AttentionBlock, scaled_dot_product_attention
-from companion.reproductions import seed_scaled_dot_product_attention
+from companion.book.reproductions import seed_scaled_dot_product_attention
 
 
 def _reference(q, k, v, mask=None, scaled=True):

@@ -1,4 +1,4 @@
-"""companion.benchmark_results: the benchmark results ship with the package and read anywhere."""
+"""companion.book.benchmark_results: the benchmark results ship with the package and read anywhere."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-import companion.benchmark_results as benchmark_results
-from companion.benchmark_results import BenchmarkResult, load_results, results_directory
+import companion.book.benchmark_results as benchmark_results
+from companion.book.benchmark_results import BenchmarkResult, load_results, results_directory
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -141,7 +141,7 @@ def test_a_benchmark_writes_a_bare_file_name_into_the_results_the_package_ships(
     spec = importlib.util.spec_from_file_location("_benchmark_results_writer", ROOT / "benchmarks" / "_results.py")
     writer = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(writer)
-    assert writer.RESULTS == ROOT / "companion" / "benchmark_results"
+    assert writer.RESULTS == ROOT / "companion" / "book" / "benchmark_results"
     monkeypatch.setattr(writer, "RESULTS", tmp_path)
     monkeypatch.setattr(sys, "argv", ["benchmarks/tilted_mean.py", "--json", "tilted_mean.json"])
     writer.write_results("tilted_mean.json", "tilted_mean", [{"label": "x", "ratio": 1.6, "target": 1.5}])

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from companion.benchmark_results import BenchmarkResult
+from companion.book.benchmark_results import BenchmarkResult
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"

@@ -12,7 +12,7 @@ import yaml
 
 import book_tools
 import companion
-from companion.benchmark_results import BenchmarkResult, load_results
+from companion.book.benchmark_results import BenchmarkResult, load_results
 from test_translations import _prose
 
 NOTEBOOKS = book_tools.notebooks()
@@ -115,7 +115,7 @@ def test_install_cell_replaces_the_colab_only_cell_of_earlier_versions():
     nb = nbformat.v4.new_notebook(cells=[
         nbformat.v4.new_markdown_cell("# Title"),
         nbformat.v4.new_code_cell(old, metadata={"tags": ["nbval-skip", "remove-cell"]}),
-        nbformat.v4.new_code_cell("from companion.notebook import setup"),
+        nbformat.v4.new_code_cell("from companion.book.notebook import setup"),
     ])
     assert refresh_notebooks.sync_colab_cell(nb)
     assert len(nb["cells"]) == 3

@@ -2,7 +2,7 @@
 
 A section is a heading of a chapter and everything up to the next heading of the same or a
 higher level: its markdown and its code. The checklist's *Common sources* section is a table
-that :data:`companion.checklist.CASES` fills (a case, the cause the doctor names for it, and
+that :data:`companion.book.cases.CASES` fills (a case, the cause the doctor names for it, and
 its safe form), so for it the rows of the cases filed under the cause count as its text.
 """
 
@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from companion.checklist import CASES as CHECKLIST
+from companion.book.cases import CASES as CHECKLIST
 from companion.diagnostics import CAUSES
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""The checklist's survey and cases (companion.checklist), as the checklist chapter shows them.
+"""The checklist's survey and cases (companion.book.survey, .cases), as its chapter shows them.
 
 Each case asserts what its row of the chapter shows: the naive form is not finite at its
 point (value or gradient), the fix is finite in both, and where the naive value is finite
@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from companion import checklist
-from companion.checklist import CASES, PATTERNS, check_case, load_reports
+from companion.book import cases
+from companion.book.cases import CASES, check_case
+from companion.book.survey import PATTERNS, cause_counts, load_reports, pattern_counts
 
 DOCTOR_CAUSES = {
     "nonfinite_input",
@@ -92,18 +93,18 @@ def test_a_label_outside_the_classes_raises_on_cpu_where_the_gpu_returns_nan():
 
 
 def test_cause_counts_add_up_and_are_sorted(reports):
-    counts = checklist.cause_counts(reports)
+    counts = cause_counts(reports)
     assert sum(n for _, n in counts) == len(reports)
     assert [n for _, n in counts] == sorted((n for _, n in counts), reverse=True)
-    tf_counts = dict(checklist.cause_counts(reports, frameworks=("tensorflow", "keras")))
+    tf_counts = dict(cause_counts(reports, frameworks=("tensorflow", "keras")))
     assert sum(tf_counts.values()) == sum(r.framework in ("tensorflow", "keras") for r in reports)
 
 
 def test_pattern_counts_agree_with_cause_counts(reports):
     by_cause = {}
-    for _, cause, n in checklist.pattern_counts(reports):
+    for _, cause, n in pattern_counts(reports):
         by_cause[cause] = by_cause.get(cause, 0) + n
-    assert by_cause == dict(checklist.cause_counts(reports))
+    assert by_cause == dict(cause_counts(reports))
 
 
 def test_load_reports_rejects_an_unknown_pattern_a_wrong_field_count_and_a_duplicate(tmp_path):
@@ -190,7 +191,7 @@ def test_fix_agrees_with_the_naive_form_away_from_the_bad_point(name):
 @pytest.mark.parametrize("name", list(CASES))
 def test_the_doctor_names_each_cases_cause_and_layer(name):
     case = CASES[name]
-    diagnosis = checklist.doctor_run(case)
+    diagnosis = cases.doctor_run(case)
     assert diagnosis is not None
     assert diagnosis.cause == case.cause
     assert diagnosis.layer == f"case/{case.pattern}"
@@ -199,7 +200,7 @@ def test_the_doctor_names_each_cases_cause_and_layer(name):
 
 
 def test_toy_model_has_a_nan_gradient_at_zero_and_is_the_square_root():
-    model = checklist.toy_model()
+    model = cases.toy_model()
     x = np.array([[0.0], [4.0]], np.float32)
     np.testing.assert_array_equal(model(x).numpy(), [[0.0], [2.0]])
     with tf.GradientTape() as tape:
@@ -209,20 +210,20 @@ def test_toy_model_has_a_nan_gradient_at_zero_and_is_the_square_root():
 
 
 def test_large_learning_rate_diverges_to_nonfinite_and_small_one_converges():
-    large = checklist.diverging_fit(0.15, steps=60)
-    assert checklist.first_nonfinite(large) is not None
-    finite_part = large[: checklist.first_nonfinite(large) - 1]
+    large = cases.diverging_fit(0.15, steps=60)
+    assert cases.first_nonfinite(large) is not None
+    finite_part = large[: cases.first_nonfinite(large) - 1]
     assert all(b > a for a, b in zip(finite_part, finite_part[1:])), "the loss grows every step until it overflows"
-    small = checklist.diverging_fit(0.05, steps=40)
-    assert checklist.first_nonfinite(small) is None and small[-1] < 1e-3 * small[0]
-    clipped = checklist.diverging_fit(0.15, steps=60, clipnorm=1.0)
-    assert checklist.first_nonfinite(clipped) is None
+    small = cases.diverging_fit(0.05, steps=40)
+    assert cases.first_nonfinite(small) is None and small[-1] < 1e-3 * small[0]
+    clipped = cases.diverging_fit(0.15, steps=60, clipnorm=1.0)
+    assert cases.first_nonfinite(clipped) is None
 
 
 def test_fixed_loss_scale_overflows_float16_and_dynamic_scale_recovers():
-    fixed = checklist.loss_scaling_run(dynamic=False, steps=2)
+    fixed = cases.loss_scaling_run(dynamic=False, steps=2)
     assert fixed["weights_finite"] == [False, False]
-    dynamic = checklist.loss_scaling_run(dynamic=True, steps=12)
+    dynamic = cases.loss_scaling_run(dynamic=True, steps=12)
     assert all(dynamic["weights_finite"])
     assert dynamic["scale"][0] == 2.0**14, "the first step is skipped and the scale halved"
     assert dynamic["loss"][-1] < dynamic["loss"][0], "once the scale fits, it learns"
@@ -232,12 +233,12 @@ def test_fixed_loss_scale_overflows_float16_and_dynamic_scale_recovers():
 
 
 def test_the_doctor_names_the_fixed_loss_scale_overflow():
-    diagnosis = checklist.fixed_loss_scale_diagnosis()
+    diagnosis = cases.fixed_loss_scale_diagnosis()
     assert (diagnosis.cause, diagnosis.phase, diagnosis.dtype) == ("overflow", "backward", "float16")
     assert "65504" in diagnosis.inputs_summary
     assert tf.keras.mixed_precision.global_policy().name == "float32"
 
 
 def test_first_nonfinite():
-    assert checklist.first_nonfinite([1.0, 2.0]) is None
-    assert checklist.first_nonfinite([1.0, math.nan]) == 2
+    assert cases.first_nonfinite([1.0, 2.0]) is None
+    assert cases.first_nonfinite([1.0, math.nan]) == 2

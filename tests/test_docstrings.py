@@ -40,7 +40,7 @@ EXAMPLES = list(_public_examples())
 
 @pytest.fixture(autouse=True)
 def _restore_global_state():
-    """An example may call companion.notebook.setup(): later tests get TF's and matplotlib's defaults back."""
+    """An example may call companion.book.notebook.setup(): later tests get TF's and matplotlib's defaults back."""
     determinism = is_op_determinism_enabled()
     params = dict(matplotlib.rcParams)
     yield

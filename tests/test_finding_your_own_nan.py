@@ -1,4 +1,4 @@
-"""The NaN doctor on the public reports that *Finding your own NaN* rebuilds (companion.reports).
+"""The NaN doctor on the public reports that *Finding your own NaN* rebuilds (companion.book.reports).
 
 Each rebuild is run the way its reporter ran it (``model.fit`` with the NaNDoctor
 callback, an eager loop, a ``tf.function`` loop, XLA); the doctor must name the cause,
@@ -11,9 +11,9 @@ import functools
 import numpy as np
 import pytest
 
-from companion import reports
+from companion.book import reports
 from companion.diagnostics import CAUSES, NaNDoctor, diagnose
-from companion.reports import REPORTS, rebuild, run_as_reported
+from companion.book.reports import REPORTS, rebuild, run_as_reported
 
 # key -> (batch, phase, layer, text of the source line the doctor must show)
 EXPECTED = {
@@ -51,7 +51,7 @@ def test_reports_cover_fit_xla_loops_multi_output_and_complex():
 
 
 def test_every_report_is_in_the_survey():
-    from companion.checklist import load_reports
+    from companion.book.survey import load_reports
 
     urls = {r.url for r in load_reports()}
     for key, info in REPORTS.items():

@@ -377,13 +377,13 @@ CHAPTER = ROOT / "book" / "tools" / "training_across_machines.ipynb"
 
 
 def test_the_chapters_worker_script_ships_with_the_package():
-    """The chapter launches companion/data/multiworker_train.py: package data (Colab has no
+    """The chapter launches companion/book/data/multiworker_train.py: package data (Colab has no
     repository around the installed package), declared in pyproject.toml, valid Python, and
     the script the chapter describes."""
     import fnmatch
     import importlib.resources
 
-    shipped = importlib.resources.files("companion") / "data" / "multiworker_train.py"
+    shipped = importlib.resources.files("companion.book") / "data" / "multiworker_train.py"
     text = shipped.read_text(encoding="utf-8")
     compile(text, "multiworker_train.py", "exec")
     for needed in ("MultiWorkerMirroredStrategy()", 'mode == "crash"', "WorkerLostError",

@@ -1,4 +1,4 @@
-"""companion.models.ParameterNet: the seed's failure, the fixes, Keras plumbing.
+"""companion.book.models.ParameterNet: the seed's failure, the fixes, Keras plumbing.
 
 The training tests use a plain loop (tf.GradientTape + Adam, no guard), so a NaN
 gradient is applied as it would be in the seed question. Small models: n = 32 points,
@@ -16,9 +16,9 @@ import pytest
 import tensorflow as tf
 from tensorflow.python.framework.config import disable_op_determinism, is_op_determinism_enabled
 
-from companion import targets
-from companion.models import FIX_NAMES, FIXES, ParameterNet
-from companion.reproductions import seed_train_step
+from companion.book import targets
+from companion.book.models import FIX_NAMES, FIXES, ParameterNet
+from companion.book.reproductions import seed_train_step
 
 SEED = 0
 LEARNING_RATE = 1e-2

@@ -1,4 +1,4 @@
-"""companion.notebook.setup: reproducible chapters, one plot style."""
+"""companion.book.notebook.setup: reproducible chapters, one plot style."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from tensorflow.python.framework.config import (
     is_op_determinism_enabled,
 )
 
-from companion import notebook
-from companion.notebook import BOOK_COLORS, PERTURB_ULP_ENV, setup
+from companion.book import notebook
+from companion.book.notebook import BOOK_COLORS, PERTURB_ULP_ENV, setup
 
 
 @pytest.fixture(autouse=True)
@@ -106,7 +106,7 @@ def _cells(page: str, tag: str) -> list[tuple[str, str]]:
 
 
 def test_html_table_renders_a_header_and_formatted_cells():
-    from companion.notebook import html_table
+    from companion.book.notebook import html_table
 
     table = html_table(
         [["tf.pow", float("nan"), True, np.int64(3)], ["safe_pow", np.float32(0.125), False, 0]],
@@ -125,7 +125,7 @@ def test_html_table_renders_a_header_and_formatted_cells():
 
 def test_html_table_has_the_book_style_inline():
     # Inline, so that Jupyter and Colab (which have no book CSS) show the same table.
-    from companion.notebook import html_table
+    from companion.book.notebook import html_table
 
     page = html_table([["safe_pow", -1.38e-11, -1.38e-11], ["tf.pow", 2.0, float("inf")]],
                       ["power", "value at x = 0", "d/dx"])._repr_html_()
@@ -149,7 +149,7 @@ def test_long_column_names_break_into_a_few_balanced_lines_never_a_word_a_line(n
     import html
     import math
 
-    from companion.notebook import _header_html
+    from companion._tables import _header_html
 
     lines = [html.unescape(line) for line in _header_html(name).split(" ")]  # breaks only at plain spaces
     assert " ".join(line.replace("\xa0", " ") for line in lines) == name
@@ -166,7 +166,7 @@ def test_long_column_names_break_into_a_few_balanced_lines_never_a_word_a_line(n
 ])
 def test_column_names_break_where_the_longest_line_is_shortest_and_never_inside_a_relation(
         name, longest_line, lines):
-    from companion.notebook import _header_lines
+    from companion._tables import _header_lines
 
     assert _header_lines(name, longest_line) == lines
 
@@ -177,7 +177,7 @@ def test_a_table_of_many_columns_breaks_its_names_into_shorter_lines():
     import html
     import re
 
-    from companion.notebook import HEADER_WIDTH, html_table
+    from companion.book.notebook import HEADER_WIDTH, html_table
 
     names = ["power", "b"] + [f"{what} at x = {x}" for what in ("value", "d/dx", "d/db") for x in (-2, 0, 2)]
     page = html_table([["safe_pow", 0.5] + [0.0] * 9], names)._repr_html_()
@@ -191,7 +191,7 @@ def test_a_table_of_many_columns_breaks_its_names_into_shorter_lines():
 
 
 def test_html_table_escapes_text():
-    from companion.notebook import html_table
+    from companion.book.notebook import html_table
 
     page = html_table([["a < b & c"]], ["<x>"])._repr_html_()
     assert ">&lt;x&gt;</th>" in page and ">a &lt; b &amp; c</td>" in page
@@ -207,7 +207,7 @@ def test_html_table_escapes_text():
     ],
 )
 def test_html_table_rejects_ragged_or_non_tabular_input(rows, header, error, match):
-    from companion.notebook import html_table
+    from companion.book.notebook import html_table
 
     with pytest.raises(error, match=match):
         html_table(rows, header)

@@ -30,8 +30,8 @@ def test_pip_installs_companion_from_a_git_url(tmp_path):
          f"nan-gradients-companion @ git+file://localhost{book_tools.ROOT}"],
         check=True, capture_output=True, text=True, timeout=600,
     )
-    modules = {p.name for p in (target / "companion").glob("*.py")}
-    assert {"__init__.py", "_version.py", "numerics.py", "notebook.py"} <= modules
+    modules = {p.relative_to(target / "companion").as_posix() for p in (target / "companion").rglob("*.py")}
+    assert {"__init__.py", "_version.py", "numerics.py", "book/__init__.py", "book/notebook.py"} <= modules
     dist_info = list(target.glob("nan_gradients_companion-*.dist-info"))
     assert [d.name for d in dist_info] == [f"nan_gradients_companion-{book_tools.package_version()}.dist-info"]
     # The installed copy imports and reports the same version, without the source tree on the path.
@@ -96,7 +96,7 @@ def test_wheel_carries_the_licence_and_the_type_marker(distributions):
         assert archive.read(licences[0]) == (book_tools.ROOT / "LICENSE").read_bytes()
         assert "companion/py.typed" in names, "PEP 561: the wheel must carry companion/py.typed"
         # package data the chapters read where there is no repository (Colab)
-        assert {"companion/data/nan_reports.csv", "companion/data/multiworker_train.py"} <= set(names)
+        assert {"companion/book/data/nan_reports.csv", "companion/book/data/multiworker_train.py"} <= set(names)
         modules = {n for n in names if n.startswith("companion/") and n.endswith(".py")}
         assert "companion/numerics.py" in modules and "companion/_version.py" in modules
     metadata = _wheel_metadata(wheel)

@@ -1,4 +1,4 @@
-"""companion.reproductions, case A: what the answer's check_numerics does and does not check."""
+"""companion.book.reproductions, case A: what the answer's check_numerics does and does not check."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from companion.reproductions import seed_checked_power
+from companion.book.reproductions import seed_checked_power
 
 X = tf.constant([0.0, 0.5, 2.0])
 

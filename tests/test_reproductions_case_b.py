@@ -1,4 +1,4 @@
-"""companion.reproductions, case B: the seed's f fails exactly as the book says it does.
+"""companion.book.reproductions, case B: the seed's f fails exactly as the book says it does.
 
 These tests pin the failures the chapters show (measured with TF 2.21, float32): if a
 TensorFlow upgrade changes one of them, the chapter text has to change too.
@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from companion import numerics, reproductions
+from companion import numerics
+from companion.book import reproductions
 from companion.numerics import tilted_mean, tilted_mean_series_terms
-from companion.reproductions import (
+from companion.book.reproductions import (
     naive_tilted_mean,
     seed_blended_f,
     seed_gradient_formula,

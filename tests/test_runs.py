@@ -1,4 +1,4 @@
-"""companion.runs: the instrumented runs of the case A chapters.
+"""companion.book.runs: the instrumented runs of the case A chapters.
 
 The model is the chapters' (ParameterNet, K = 3, d_model 16, 2 heads) on the power-law
 batches every function of which is sampled at x = 0, so that the runs fail the way the
@@ -15,11 +15,11 @@ import pytest
 import tensorflow as tf
 from tensorflow.python.framework.config import disable_op_determinism, is_op_determinism_enabled
 
-from companion import targets
+from companion.book import targets
 from companion.diagnostics import nonfinite_gradients
-from companion.models import ParameterNet
+from companion.book.models import ParameterNet
 from companion.numerics import bounded
-from companion.runs import NonFiniteRun, learning_rate_sweep, run_until_nonfinite, steps_to_reach
+from companion.book.runs import NonFiniteRun, learning_rate_sweep, run_until_nonfinite, steps_to_reach
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,11 +1,11 @@
-"""companion.targets: the families of target functions g(x) that ParameterNet fits."""
+"""companion.book.targets: the families of target functions g(x) that ParameterNet fits."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from companion import targets
+from companion.book import targets
 
 
 

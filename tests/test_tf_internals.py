@@ -305,7 +305,7 @@ def test_keras_builds_compiled_metrics_from_an_element_spec():
 def test_restore_on_create_passes_a_checkpoint_value_that_is_recognised():
     # A variable created after `restore()` (Keras' and tf.Module's "restore on create")
     # receives its checkpoint value as initial_value through every variable creator;
-    # companion.notebook's ulp perturbation must recognise it and leave it alone.
+    # companion.book.notebook's ulp perturbation must recognise it and leave it alone.
     import tempfile
 
     from tensorflow.python.trackable import autotrackable  # the canary names the private class

@@ -132,7 +132,7 @@ class GradientReport(tuple):
 
     def _repr_html_(self) -> str:
         """The table as the book's HTML table (Jupyter, Colab and the book render it)."""
-        from companion.notebook import html_table  # noqa: PLC0415 - display only
+        from companion._tables import html_table  # noqa: PLC0415 - display only
 
         rows = [
             (

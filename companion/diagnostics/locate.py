@@ -98,7 +98,7 @@ class NonFiniteLocation:
 
     def _repr_html_(self) -> str:
         """The location as a two-column HTML table (Jupyter, Colab and the book render it)."""
-        from companion.notebook import html_table  # noqa: PLC0415 - display only
+        from companion._tables import html_table  # noqa: PLC0415 - display only
 
         counts = ", ".join(
             text for n, text in ((self.nan_count, f"{self.nan_count} NaN"), (self.inf_count, f"{self.inf_count} Inf")) if n

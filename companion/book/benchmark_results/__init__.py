@@ -185,7 +185,7 @@ def results_directory() -> pathlib.Path:
         The path of this package's folder.
 
     Example:
-        >>> from companion.benchmark_results import results_directory
+        >>> from companion.book.benchmark_results import results_directory
         >>> results_directory().name
         'benchmark_results'
     """
@@ -213,7 +213,7 @@ def load_results(
         ValueError: if a file is not a benchmark result, or no file is of ``benchmark``.
 
     Example:
-        >>> from companion.benchmark_results import load_results
+        >>> from companion.book.benchmark_results import load_results
         >>> [result.benchmark for result in load_results("tilted_mean")][:1]
         ['tilted_mean']
     """
