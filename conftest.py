@@ -71,36 +71,36 @@ if _nbval_plugin is not None:
 #
 # - the test files that look at the built book are one unit, so that the book (the
 #   session-scoped `built_book` of tests/conftest.py, a few minutes) is built once, not once
-#   per worker (tests/test_parallel.py checks that every file using it is in this unit);
+#   per worker (tests/repository/test_parallel.py checks that every file using it is in this unit);
 # - a worker that needs work gets the longest unit left (the longest first, then the shorter
 #   ones fill in: the two workers end close together), by UNIT_SECONDS: the seconds each unit
 #   took, run one after another (2026-12-02, two cores shared with other work: only their
 #   order matters); a unit not listed comes after those, the one with more tests first.
-BUILT_BOOK_FILES = ("tests/test_browser.py", "tests/test_browser_zh.py", "tests/test_built_book.py",
-                    "tests/test_packaging.py")
+BUILT_BOOK_FILES = ("tests/book/test_browser.py", "tests/book/test_browser_zh.py", "tests/book/test_built_book.py",
+                    "tests/repository/test_packaging.py")
 UNIT_SECONDS = {
     "the built book": 280,
-    "tests/test_training_keras_contracts.py": 150,
-    "tests/test_benchmarks.py": 140,
-    "tests/test_doctor_remedies.py": 130,
-    "tests/test_training_multiworker.py": 110,
-    "tests/test_training_loop.py": 105,
-    "tests/test_training_custom_steps.py": 100,
-    "tests/test_finding_your_own_nan.py": 100,
-    "tests/test_launch.py": 90,
+    "tests/contracts/test_training_keras_contracts.py": 150,
+    "tests/unit/test_benchmarks.py": 140,
+    "tests/unit/test_doctor_remedies.py": 130,
+    "tests/distributed/test_training_multiworker.py": 110,
+    "tests/unit/test_training_loop.py": 105,
+    "tests/unit/test_training_custom_steps.py": 100,
+    "tests/unit/test_finding_your_own_nan.py": 100,
+    "tests/distributed/test_launch.py": 90,
     "book/tools/training_across_machines.ipynb": 55,
-    "tests/test_training_fit_parity.py": 45,
-    "tests/test_models.py": 45,
-    "tests/test_doctor_custom_steps.py": 45,
+    "tests/contracts/test_training_fit_parity.py": 45,
+    "tests/unit/test_models.py": 45,
+    "tests/unit/test_doctor_custom_steps.py": 45,
     "book/case_a/fixed_parameternet.ipynb": 40,
-    "tests/test_training_distributed.py": 40,
+    "tests/distributed/test_training_distributed.py": 40,
     "book/case_a/reproduce.ipynb": 35,
-    "tests/test_powers.py": 30,
+    "tests/unit/test_powers.py": 30,
     "book/case_b/training.ipynb": 30,
-    "tests/test_tilted_mean.py": 30,
-    "tests/test_docstrings.py": 25,
-    "tests/test_runs.py": 25,
-    "tests/test_doctor.py": 25,
+    "tests/unit/test_tilted_mean.py": 30,
+    "tests/unit/test_docstrings.py": 25,
+    "tests/unit/test_runs.py": 25,
+    "tests/unit/test_doctor.py": 25,
     "book/tools/training_loop.ipynb": 25,
     "book/tools/performance.ipynb": 20,
 }

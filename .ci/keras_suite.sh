@@ -7,10 +7,10 @@
 # That stack's keras wheel ships no test files (Keras 3.13's wheel and sdist have none), so
 # the test files are those of the lock's Keras (requirements.txt's keras==): from the lock's
 # virtual environment (.venv) when it holds them, else from that keras wheel, downloaded.
-# tests/test_keras_suite.py copies the selected files into a temporary folder with no
+# tests/contracts/test_keras_suite.py copies the selected files into a temporary folder with no
 # __init__.py and imports them with --import-mode=importlib, so they run against the stack's
 # keras and TensorFlow; the run records the keras, TensorFlow and companion it imported and
-# the test asserts they are the stack's. Lines of tests/keras_suite/selection.txt marked
+# the test asserts they are the stack's. Lines of tests/contracts/keras_suite/selection.txt marked
 # 'not-X.Y: <reason>' (tests that fail with Keras X.Y's own fit) are not run on Keras X.Y.
 # As .ci/stacks.sh's unit tests: python -I and importlib mode, so that `companion` is the
 # installed wheel (checked after the run).
@@ -44,5 +44,5 @@ export KERAS_SUITE_TESTS_FROM
 export KERAS_SUITE=${KERAS_SUITE:-ci}
 echo "== $name: Keras' tests of fit through train (KERAS_SUITE=$KERAS_SUITE; test files: $KERAS_SUITE_TESTS_FROM)"
 
-"$env/bin/python" -I "$ROOT/.ci/pytest_installed.py" tests/test_keras_suite.py -p no:nbval -p no:cacheprovider -o addopts= --import-mode=importlib -q
+"$env/bin/python" -I "$ROOT/.ci/pytest_installed.py" tests/contracts/test_keras_suite.py -p no:nbval -p no:cacheprovider -o addopts= --import-mode=importlib -q
 echo "== $name: Keras' tests of fit through train: $(( $(date +%s) - start )) s"

@@ -7,8 +7,8 @@
 # fresh virtual environment:
 #   1. install the package from a wheel built from this checkout (never the checkout itself)
 #      with the stack's pins and the test tools;
-#   2. the unit tests: tests/ without nbval, without the tests of the repository and the
-#      built book (UNIT_TESTS_SKIP below) and without the slow multi-process tests,
+#   2. the unit tests: tests/unit, tests/contracts and tests/distributed (UNIT_TEST_FOLDERS
+#      below), without nbval and without the slow multi-process tests,
 #      importing the installed package; on the Colab stack, Keras' own tests of fit through
 #      train as well (.ci/keras_suite.sh);
 #   3. every chapter (book/**/*.ipynb), copied to a temporary folder outside the repository
@@ -26,14 +26,11 @@ cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 STACKS_DIR=${STACKS_DIR:-$ROOT/.venv-stacks}
 
-# Not unit tests: they check the repository, the built book and the lock (README, changelog,
-# workflows, packaging from git, the nbval harness, the browser); they run on the lock only.
-UNIT_TESTS_SKIP=(
-    tests/test_book.py tests/test_browser.py tests/test_built_book.py tests/test_changelog.py
-    tests/test_nbval_harness.py tests/test_packaging.py tests/test_readme.py tests/test_stacks.py
-    tests/test_workflows.py tests/test_release.py tests/test_lock.py tests/test_intro_stack.py
-    tests/test_translations.py tests/test_browser_zh.py
-)
+# The tests of the package, by folder: tests/unit, tests/contracts (Keras' and TensorFlow's
+# behaviour the package relies on) and tests/distributed. tests/book and tests/repository check
+# the chapters, the built book, the lock and the repository (README, changelog, workflows,
+# packaging from git): they run on the lock only.
+UNIT_TEST_FOLDERS=(tests/unit tests/contracts tests/distributed)
 # The tests marked slow (fresh processes: MirroredStrategy, multi-worker jobs) run on the lock
 # only, to keep CI within its time; UNIT_TESTS_MARK="" runs them here too.
 UNIT_TESTS_MARK=${UNIT_TESTS_MARK-not slow and not lock and not killmatrix}
@@ -107,10 +104,8 @@ for name in "${stacks[@]}"; do
         stage "$name: unit tests"
         # -I: neither the current folder nor PYTHONPATH on sys.path; importlib mode: pytest adds no
         # folder of the checkout either, so `companion` is the installed one (checked after the run).
-        ignores=()
-        for path in "${UNIT_TESTS_SKIP[@]}"; do ignores+=("--ignore=$path"); done
-        "$env/bin/python" -I "$ROOT/.ci/pytest_installed.py" tests -p no:nbval -p no:cacheprovider -o addopts= --import-mode=importlib -q \
-            "${ignores[@]}" ${UNIT_TESTS_MARK:+-m "$UNIT_TESTS_MARK"} || failed+=("$name: unit tests")
+        "$env/bin/python" -I "$ROOT/.ci/pytest_installed.py" "${UNIT_TEST_FOLDERS[@]}" -p no:nbval -p no:cacheprovider -o addopts= --import-mode=importlib -q \
+            ${UNIT_TESTS_MARK:+-m "$UNIT_TESTS_MARK"} || failed+=("$name: unit tests")
         stage_done "$name: unit tests"
         if [ "$name" = colab ]; then
             # Keras' own tests of fit through train (issue 21), Keras 3.15.1's test files against

@@ -71,7 +71,7 @@ def _is_numeric(text: str) -> bool:
 #: How many characters of column names a table's header may hold side by side, about what
 #: the book's text column shows at a table's type size (0.85 of the text's, 740 px at a
 #: window 1280 px wide). A table of many columns breaks its names into shorter lines, so
-#: that its header is no wider than the page (tests/test_browser.py measures it).
+#: that its header is no wider than the page (tests/book/test_browser.py measures it).
 HEADER_WIDTH = 90
 
 

@@ -8,7 +8,7 @@ error text. Each hook below says
   informative way, and :func:`warn_once` issues an :class:`InternalAPIWarning` the first
   time (never a silent fall-back),
 
-and has a canary test in ``tests/test_tf_internals.py`` that fails loudly when an
+and has a canary test in ``tests/contracts/test_tf_internals.py`` that fails loudly when an
 upgrade of TensorFlow or Keras removes the hook or stops calling it.
 """
 

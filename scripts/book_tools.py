@@ -24,10 +24,10 @@ LEGACY_COLAB_MARKERS = ('"google.colab" in sys.modules',)
 
 #: The widest line of code or text output a chapter may have: what the book shows, without
 #: scrolling, in a code block at a window 1280 px wide (book/_static/companion.css widens
-#: code blocks to it; tests/test_browser.py measures it, tests/test_book.py counts it).
+#: code blocks to it; tests/book/test_browser.py measures it, tests/book/test_book.py counts it).
 CODE_WIDTH = 88
 #: The longest visible code cell, in lines; longer cells are exceptions listed in
-#: tests/test_book.py until they shrink (a plot or drawing goes behind `hide-input`).
+#: tests/book/test_book.py until they shrink (a plot or drawing goes behind `hide-input`).
 CODE_CELL_LINES = 25
 
 
@@ -244,7 +244,7 @@ def changelog_entry(version: str, changelog: str | None = None) -> str:
 #   and Colab all show collapsed, with the markdown and math inside rendered when opened.
 #
 # scripts/hide_solutions.py applies this to every chapter (idempotent; it changes only
-# tags and these wrappers, never a cell's output); tests/test_book.py checks it.
+# tags and these wrappers, never a cell's output); tests/book/test_book.py checks it.
 
 SOLUTION_CODE_TAG = "hide-cell"
 SOLUTION_OPEN = '<details class="solution">'

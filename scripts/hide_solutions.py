@@ -10,7 +10,7 @@ tag `hide-cell` (code and output behind one toggle); the explanation is wrapped 
 `<details class="solution">` (collapsed in the book, Jupyter and Colab alike). First-edition
 `{admonition} Solution ... :class: dropdown` wrappers are converted. Idempotent: a second run
 changes nothing. Only tags and those wrappers change, never a source of code or an output,
-so the chapters need no re-execution (scripts/book_tools.py has the rules; tests/test_book.py
+so the chapters need no re-execution (scripts/book_tools.py has the rules; tests/book/test_book.py
 checks them).
 """
 

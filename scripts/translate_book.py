@@ -33,7 +33,7 @@ has the same path in both editions (the built site puts the Chinese one under ``
 A unit's translation is looked up by its key and the hash of its current English text; failing that, by the hash
 alone (a cell that moved, a block that shifted). When neither matches, the translation is *missing* (no entry for
 the key) or *stale* (the English changed after it was translated), and writing fails naming the page and the
-cell. ``tests/test_translations.py`` checks the same and that the Chinese notebooks' code and outputs are the
+cell. ``tests/book/test_translations.py`` checks the same and that the Chinese notebooks' code and outputs are the
 English ones.
 """
 

@@ -2,7 +2,7 @@
 
 The chapter *Finding your own NaN* (``book/closing/finding_your_own_nan.ipynb``) runs
 the NaN doctor (:func:`companion.diagnostics.diagnose`) on each of these, and
-``tests/test_finding_your_own_nan.py`` asserts what it finds. Each rebuild keeps what the
+``tests/unit/test_finding_your_own_nan.py`` asserts what it finds. Each rebuild keeps what the
 report describes (the layers, the loss, the data that triggers it, the way the reporter
 trained: ``model.fit``, an eager loop, a ``tf.function`` loop, XLA) and drops the rest;
 sizes and data are made up, and made deterministic. ``rebuild(key, fixed=True)`` applies

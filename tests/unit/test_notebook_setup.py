@@ -173,7 +173,7 @@ def test_column_names_break_where_the_longest_line_is_shortest_and_never_inside_
 
 def test_a_table_of_many_columns_breaks_its_names_into_shorter_lines():
     # Eleven columns of "d/dx at x = -2" would be 11 x 14 characters wide on one line each:
-    # wider than the book's text column (tests/test_browser.py measures the page).
+    # wider than the book's text column (tests/book/test_browser.py measures the page).
     import html
     import re
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -149,7 +150,7 @@ MIRRORED_SCRIPT = textwrap.dedent(
     except ValueError as error:
         result["outside_error"] = str(error)
 
-    # keras.io's models that customise fit (tests/test_training_custom_steps.py), two of
+    # keras.io's models that customise fit (tests/unit/test_training_custom_steps.py), two of
     # them with two optimizers of their own (a GAN's d_optimizer and g_optimizer): on
     # clean data train ends bit-identical to fit under the same strategy, on every
     # replica; a step with a NaN on replica 1 only changes no replica's copy of any
@@ -211,7 +212,7 @@ MIRRORED_SCRIPT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def mirrored_result() -> dict:
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONHASHSEED="0", COMPANION_TESTS=os.path.dirname(__file__))
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONHASHSEED="0", COMPANION_TESTS=str(pathlib.Path(__file__).parents[1] / "unit"))
     completed = subprocess.run(
         [sys.executable, "-c", MIRRORED_SCRIPT], capture_output=True, text=True, timeout=600, env=env
     )

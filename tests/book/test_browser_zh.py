@@ -3,7 +3,7 @@
 Without a browser: every page of both editions links to its twin in the other one, and back; the Chinese pages
 are marked Chinese (`lang`, titles) and their Colab buttons open the Chinese notebooks.
 
-In headless Chromium (as tests/test_browser.py drives it; skipped without it unless CI_REQUIRE_BROWSER=1): a
+In headless Chromium (as tests/book/test_browser.py drives it; skipped without it unless CI_REQUIRE_BROWSER=1): a
 Chinese chapter reads as Chinese, in the theme's own strings too, its language link leads to the English twin
 and that page's link back, its Colab link opens the Chinese notebook, and the Chinese search finds a Chinese word.
 """

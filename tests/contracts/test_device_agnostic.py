@@ -23,7 +23,7 @@ import re
 
 import pytest
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "companion"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "companion"
 
 DEVICE_NAME = re.compile(r"(?i)(^|/|device:)(cpu|gpu|tpu|xla_cpu|xla_gpu):\d+")
 

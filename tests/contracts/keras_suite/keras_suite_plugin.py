@@ -1,7 +1,7 @@
 """A pytest plugin that runs Keras' own tests of ``fit`` with ``fit`` routed to ``train``.
 
 Loaded with ``-p keras_suite_plugin`` (``tests/keras_suite`` on ``sys.path``; see
-tests/test_keras_suite.py, which runs the pinned selection this way). Options:
+tests/contracts/test_keras_suite.py, which runs the pinned selection this way). Options:
 
 * ``--fit-route=fit`` (default) leaves ``keras.Model.fit`` alone: the baseline;
 * ``--fit-route=train`` replaces ``fit`` on every Keras model by :func:`train_as_fit`,

@@ -21,7 +21,7 @@ import pytest
 
 from companion.book.benchmark_results import BenchmarkResult
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
 
 #: What each benchmark prints for each of its ratios (a regular expression with the ratio

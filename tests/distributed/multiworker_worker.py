@@ -1,4 +1,4 @@
-"""One worker of the multi-worker tests (tests/test_training_multiworker.py).
+"""One worker of the multi-worker tests (tests/distributed/test_training_multiworker.py).
 
 Started by :func:`companion.launch.launch` with ``TF_CONFIG`` set; writes what it saw
 to ``<out>/<scenario>-worker-<task>.json``. Scenarios:
@@ -145,7 +145,7 @@ if options.scenario == "main":
     except NonFiniteError as error:
         result["raised"] = {"step": error.step, "epoch": error.epoch, "message": str(error),
                             "iterations": int(optimizer.iterations.numpy())}
-    # keras.io's GAN (two optimizers of its own, tests/test_training_custom_steps.py):
+    # keras.io's GAN (two optimizers of its own, tests/unit/test_training_custom_steps.py):
     # a NaN in worker 1's part of batch 1 skips the step on both workers, and the
     # skipped step changes nothing: [batch 0, poisoned batch 1] ends as [batch 0] does.
     import test_training_custom_steps as steps

@@ -32,7 +32,7 @@ import tensorflow as tf
 from companion.diagnostics import NaNDoctor, diagnose, diagnose_function, replay
 from companion.diagnostics import callback as callback_module
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 HERE = inspect.getsourcefile(lambda: None)
 
 

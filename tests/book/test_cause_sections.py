@@ -17,7 +17,7 @@ import pytest
 from companion.book.cases import CASES as CHECKLIST
 from companion.diagnostics import CAUSES
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TABLE = "book/closing/checklist#common-sources-each-in-a-few-lines"
 
 #: For each cause, words of its example and words of its fix that its section must show.

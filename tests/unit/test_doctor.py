@@ -22,7 +22,7 @@ from companion.diagnostics import (
 from companion.diagnostics.trace import OpTracer
 from companion.training import SkippedStep, train
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 class Root(keras.layers.Layer):

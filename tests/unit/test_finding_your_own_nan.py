@@ -114,7 +114,7 @@ def test_the_chapter_cites_every_rebuilt_report_and_is_in_the_toc():
     import json
     import pathlib
 
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = pathlib.Path(__file__).resolve().parents[2]
     notebook = json.loads((root / "book/closing/finding_your_own_nan.ipynb").read_text())
     text = "".join("".join(cell["source"]) for cell in notebook["cells"] if cell["cell_type"] == "markdown")
     for key, info in REPORTS.items():

@@ -72,7 +72,7 @@ def test_ci_runs_keras_tests_of_fit_through_train_on_the_lock_and_the_colab_stac
     # Issue 21: Keras' own tests of fit with fit routed to train, on both stacks.
     ci = (book_tools.ROOT / ".ci" / "run").read_text()
     stacks = (book_tools.ROOT / ".ci" / "stacks.sh").read_text()
-    assert "KERAS_SUITE=ci python -m pytest tests/test_keras_suite.py" in ci
+    assert "KERAS_SUITE=ci python -m pytest tests/contracts/test_keras_suite.py" in ci
     unit_part = stacks[stacks.index('if [ "$parts" != chapters ]'):stacks.index('if [ "$parts" != unit ]')]
     assert '[ "$name" = colab ]' in unit_part and '.ci/keras_suite.sh" "$name"' in unit_part
     assert (book_tools.ROOT / ".ci" / "keras_suite.sh").stat().st_mode & 0o111, "keras_suite.sh is not executable"

@@ -363,7 +363,7 @@ class _DuckOptimizer:
 
 
 #: train's own checks (fit's and compile's arguments raise as fit and compile raise them:
-#: tests/test_training_keras_contracts.py compares the two).
+#: tests/contracts/test_training_keras_contracts.py compares the two).
 BAD_INPUTS = [
     ({"on_nonfinite": "warn"}, ValueError, r"on_nonfinite must be one of \('skip', 'raise', 'ignore'\), got 'warn'"),
     ({"max_consecutive_nonfinite": 0}, ValueError, r"max_consecutive_nonfinite must be >= 1"),

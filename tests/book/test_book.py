@@ -253,7 +253,7 @@ def test_every_chapter_has_exercises(path):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
 def test_every_code_and_text_output_line_fits_the_page(path):
     # At 1280 px the book shows book_tools.CODE_WIDTH characters of code (companion.css);
-    # a longer line makes its block scroll sideways (tests/test_browser.py measures it).
+    # a longer line makes its block scroll sideways (tests/book/test_browser.py measures it).
     too_long = [
         f"cell {index} {where} ({len(line)} chars): {line[:50]}..."
         for index, cell in enumerate(_load(path)["cells"])

@@ -37,7 +37,7 @@ from companion.launch import (
 )
 
 LINUX = sys.platform.startswith("linux")
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent(
     """
@@ -72,7 +72,7 @@ def outputs(result) -> str:
 
 
 # --------------------------------------------------------------------------------------
-# TF_CONFIG and the basic launch (moved from tests/test_training_multiworker.py)
+# TF_CONFIG and the basic launch (moved from tests/distributed/test_training_multiworker.py)
 # --------------------------------------------------------------------------------------
 
 

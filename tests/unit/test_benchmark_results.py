@@ -13,7 +13,7 @@ import pytest
 import companion.book.benchmark_results as benchmark_results
 from companion.book.benchmark_results import BenchmarkResult, load_results, results_directory
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _document(benchmark="tilted_mean", ratio=1.2, target=1.5, **fields) -> dict:

@@ -1,7 +1,7 @@
 """Bad input to train is refused before the first step, naming the argument (issue 28, point 5).
 
 The errors are of the type fit raises for the same input (ValueError: train hands fit's
-arguments on and raises what fit raises, tests/test_training_keras_contracts.py), with a
+arguments on and raises what fit raises, tests/contracts/test_training_keras_contracts.py), with a
 message that says what is wrong.
 
 companion.training.inputs.check_targets raises where Keras' fit would fail with a message

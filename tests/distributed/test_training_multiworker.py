@@ -3,7 +3,7 @@
 Every scenario starts real worker processes with :func:`companion.launch.launch`, in its
 private, loopback-only network namespace (free ports, ``TF_CONFIG`` set by the
 launcher); nothing can reach the workers from outside. Each worker runs
-tests/multiworker_worker.py and writes what it saw to a JSON file. A TensorFlow import
+tests/distributed/multiworker_worker.py and writes what it saw to a JSON file. A TensorFlow import
 takes seconds, so each launch runs several checks: a two-worker run (clean, poisoned, and
 ``on_nonfinite="raise"``), a three-worker clean run, and a two-worker run in which worker
 1 kills itself mid-epoch (the default strategy, a Python input pipeline), followed by a

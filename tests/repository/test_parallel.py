@@ -37,7 +37,7 @@ def test_the_test_command_runs_two_workers_that_take_whole_files():
 
 def test_every_test_file_that_uses_the_built_book_is_in_its_unit(root_conftest):
     users = set()
-    for path in sorted((ROOT / "tests").glob("test_*.py")):
+    for path in sorted((ROOT / "tests").glob("*/test_*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef) and "built_book" in [a.arg for a in node.args.args]:
                 users.add(path.relative_to(ROOT).as_posix())
@@ -51,8 +51,8 @@ def test_a_notebook_a_module_and_the_built_books_files_are_one_unit_each(root_co
     split = lambda nodeid: root_conftest._FileScheduling._split_scope(None, nodeid)  # noqa: E731
     assert split("book/case_a/reproduce.ipynb::Cell 3") == split("book/case_a/reproduce.ipynb::Cell 0")
     assert split("book/case_a/reproduce.ipynb::Cell 3") == "book/case_a/reproduce.ipynb"
-    assert split("tests/test_launch.py::test_x[a::b]") == "tests/test_launch.py"
-    assert split("tests/test_launch.py::TestA::test_x") == "tests/test_launch.py"
+    assert split("tests/distributed/test_launch.py::test_x[a::b]") == "tests/distributed/test_launch.py"
+    assert split("tests/distributed/test_launch.py::TestA::test_x") == "tests/distributed/test_launch.py"
     units = {split(f"{path}::test_x") for path in root_conftest.BUILT_BOOK_FILES}
     assert units == {"the built book"}
 
@@ -68,7 +68,7 @@ class _Node:
 def test_a_worker_is_handed_the_longest_unit_left(root_conftest, monkeypatch):
     monkeypatch.setattr(root_conftest, "UNIT_SECONDS", {"tests/test_slow.py": 300, "the built book": 100})
     collection = ["tests/test_a.py::t1", "tests/test_a.py::t2", "tests/test_a.py::t3", "tests/test_slow.py::t",
-                  "tests/test_built_book.py::t", "tests/test_b.py::t"]
+                  "tests/book/test_built_book.py::t", "tests/test_b.py::t"]
     scheduler = object.__new__(root_conftest._FileScheduling)
     scheduler.workqueue = collections.OrderedDict()
     for nodeid in collection:

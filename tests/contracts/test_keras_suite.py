@@ -2,14 +2,14 @@
 
 The test files are those of the installed keras wheel (``keras/src/**/_test.py``, found
 through ``import keras``; nothing is copied into this repository). The selection is
-pinned in tests/keras_suite/selection.txt: Keras test node ids (relative to
+pinned in tests/contracts/keras_suite/selection.txt: Keras test node ids (relative to
 ``keras/src``) that call ``fit``, chosen from trainers/, callbacks/, models/,
 optimizers/, saving/, metrics/ and the TensorFlow distribute test; a line marked
 ``# exception:`` is a test of behaviour ``train`` changes on purpose, with the reason
 (the book's page *Differences from fit* says what happens instead).
 
 The selection runs in a fresh process (Keras' tests change global state: dtype
-policies, logical devices) under tests/keras_suite/keras_suite_plugin.py, which replaces
+policies, logical devices) under tests/contracts/keras_suite/keras_suite_plugin.py, which replaces
 ``keras.Model.fit`` by an adapter that hands each argument of ``fit`` to the argument of
 ``train`` with the same name. ``KERAS_SUITE=ci`` runs the lines marked ``ci`` (38 tests:
 the pinned subset .ci/run's stage "Keras' tests of fit through train" runs),
