@@ -3,7 +3,8 @@
     python scripts/refresh_notebooks.py              # every notebook under book/
     python scripts/refresh_notebooks.py book/x.ipynb # just these
 
-Run it after changing `companion` code that a chapter shows, after changing
+Run it after changing `companion` code that a chapter shows (or the doctor's CAUSES: it
+rewrites the API page's table of them), after changing
 `repository.url` in `_config.yml` (it also rewrites the links in README.md and the book's
 pages) or the package version, and commit the result: the test
 suite re-runs every chapter under nbval and fails when the committed outputs are stale.
@@ -93,7 +94,8 @@ def sync_links(old_url: str, new_url: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("notebooks", nargs="*", type=pathlib.Path, help="default: every notebook under book/")
-    parser.add_argument("--no-execute", action="store_true", help="only sync the Colab cells")
+    parser.add_argument("--no-execute", action="store_true",
+                        help="only sync the Colab cells and the API page's causes table")
     args = parser.parse_args(argv)
     paths = args.notebooks or book_tools.notebooks()
     new_url = book_tools.repository_url()
@@ -103,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         if old_url and old_url != new_url:
             sync_links(old_url, new_url)
             break
+    api = book_tools.API_PAGE.read_text()
+    if book_tools.with_causes_table(api) != api:
+        book_tools.API_PAGE.write_text(book_tools.with_causes_table(api))
+        print(f"{book_tools.API_PAGE.relative_to(book_tools.ROOT)}: the causes table, from CAUSES", flush=True)
     for i, path in enumerate(paths, 1):
         print(f"[{i}/{len(paths)}] {path}", flush=True)
         refresh(path.resolve(), execute=not args.no_execute)

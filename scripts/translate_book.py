@@ -128,7 +128,8 @@ def read_notebook(path: pathlib.Path) -> dict:
 
 
 def md_blocks(text: str) -> list[tuple[str, str]]:
-    """A markdown page split into blocks at blank lines, a fenced block (``` or :::) kept whole.
+    """A markdown page split into blocks at blank lines, a fenced block (``` or :::) kept whole,
+    a table split into its rows (:func:`_table_rows`).
 
     Returns (block, separator) pairs: the separator is the exact text between a block and the next
     (newlines), so that joining ``block + separator`` gives the page back byte for byte.
@@ -160,7 +161,20 @@ def md_blocks(text: str) -> list[tuple[str, str]]:
         pieces.append(("\n".join(current), "\n" * blanks))
     elif blanks:
         pieces.append(("", "\n" * blanks))
-    return pieces
+    return [row for block in pieces for row in _table_rows(*block)]
+
+
+def _table_rows(block: str, separator: str) -> list[tuple[str, str]]:
+    """A markdown table as one piece per row (its header and rule together), else the block itself.
+
+    Each row is translated on its own: a new row (a new cause in the API page's causes table)
+    is one new unit, and the other rows' translations stay current.
+    """
+    lines = block.split("\n")
+    if len(lines) < 3 or not all(line.startswith("|") for line in lines) or not re.fullmatch(r"\|[-:| ]+\|", lines[1]):
+        return [(block, separator)]
+    rows = ["\n".join(lines[:2]), *lines[2:]]
+    return [(row, "\n") for row in rows[:-1]] + [(rows[-1], separator)]
 
 
 def join_md_blocks(pieces: list[tuple[str, str]]) -> str:

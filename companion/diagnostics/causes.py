@@ -13,7 +13,7 @@ values of its inputs (for a gradient op, the forward op and *its* inputs), and
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -231,72 +231,168 @@ def _where_summary(forward, select) -> str:
     return text
 
 
-def _forward_cause(op: str, inputs: Sequence, event, *, in_backward: bool) -> tuple[str, str]:
-    """The cause seen from an op's own type and input values."""
-    ins = [_as_float(a) for a in inputs]
-    real = [a if a is not None and not np.iscomplexobj(a) else None for a in ins]
-    first = real[0] if real else None
-    if op == "Log" and first is not None:
-        if (first == 0).any():
-            return "log_of_zero", _fact(op, 0, first, first == 0, "are exactly 0")
-        if (first < 0).any():
-            return "domain_edge", _fact(op, 0, first, first < 0, "are negative")
-    if op == "Log1p" and first is not None:
-        if (first == -1).any():
-            return "log_of_zero", _fact(op, 0, first, first == -1, "are exactly -1")
-        if (first < -1).any():
-            return "domain_edge", _fact(op, 0, first, first < -1, "are below -1")
-    if op in ("Xlogy", "Xlog1py") and len(real) > 1 and real[1] is not None:
-        edge = 0 if op == "Xlogy" else -1
-        if (real[1] == edge).any():
-            return "log_of_zero", _fact(op, 1, real[1], real[1] == edge, f"are exactly {edge}")
-    if op == "Sqrt" and first is not None:
-        if (first < 0).any():
-            return "domain_edge", _fact(op, 0, first, first < 0, "are negative")
-        if in_backward and (first == 0).any():
-            return "singular_derivative", _fact(op, 0, first, first == 0, "are exactly 0")
-    if op == "Rsqrt" and first is not None:
-        if (first < 0).any():
-            return "domain_edge", _fact(op, 0, first, first < 0, "are negative")
-        if (first == 0).any():
-            return "division_by_zero", _fact(op, 0, first, first == 0, "are exactly 0")
-    if op == "Pow" and len(real) > 1 and first is not None and real[1] is not None:
-        base, exponent = np.broadcast_arrays(first, real[1])
-        negative = (base < 0) & ((exponent != np.round(exponent)) | in_backward)
-        if negative.any():
-            return "pow_negative_base", _fact(op, 0, first, first < 0, "are negative")
-        zero = base == 0
-        if (zero & (exponent < 0)).any():
-            return "division_by_zero", _fact(op, 0, first, first == 0, "are exactly 0 (exponent < 0)")
-        if in_backward and (zero & (exponent < 1)).any():
-            p = float(np.min(exponent[zero & (exponent < 1)]))
-            return "singular_derivative", _fact(op, 0, first, first == 0, f"are exactly 0 (exponent {p:.3g} < 1)")
-    if op in ("Acos", "Asin") and first is not None:
-        if (np.abs(first) > 1).any():
-            return "domain_edge", _fact(op, 0, first, np.abs(first) > 1, "are outside [-1, 1]")
-        if in_backward and (np.abs(first) == 1).any():
-            return "singular_derivative", _fact(op, 0, first, np.abs(first) == 1, "are exactly +-1")
-    if op == "Atanh" and first is not None and (np.abs(first) >= 1).any():
-        return "domain_edge", _fact(op, 0, first, np.abs(first) >= 1, "are outside (-1, 1)")
-    if op in ("Lgamma", "Digamma") and first is not None:
-        pole = (first <= 0) & (first == np.round(first))
-        if pole.any():
-            return "domain_edge", _fact(op, 0, first, pole, "are poles (0, -1, -2, ...)")
-    if op == "Atan2" and len(real) > 1 and real[0] is not None and real[1] is not None and in_backward:
+# --- recognition: what each op's inputs say --------------------------------------------
+#
+# A forward op's cause is read from its type and its input values by the rules below, in
+# order: the first rule whose op types include the op (and, for a rule marked
+# ``backward_only``, only when the op is the forward op of a failing gradient) and whose
+# check finds offending entries names the cause. A check returns the one-line summary of
+# those entries, or None. To recognise a new cause for an op, add a rule here (and the
+# cause to CAUSES); causes that no rule names are recognised where RECOGNISED_ELSEWHERE says.
+
+
+class Rule(NamedTuple):
+    """One way an op's inputs make a non-finite value: the op types, the cause, the check."""
+
+    ops: frozenset
+    cause: str
+    check: Callable[[str, list, list], "str | None"]
+    backward_only: bool = False
+
+
+def _entries(index: int, predicate: Callable[[np.ndarray], np.ndarray], what: str):
+    """A check: the entries of real input ``index`` where ``predicate`` holds, "are ``what``"."""
+
+    def check(op: str, real: list, ins: list) -> str | None:
+        array = real[index] if len(real) > index else None
+        if array is None:
+            return None
+        mask = predicate(array)
+        return _fact(op, index, array, mask, what) if mask.any() else None
+
+    return check
+
+
+def _log_argument_at_edge(op: str, real: list, ins: list) -> str | None:
+    edge = 0 if op == "Xlogy" else -1
+    if len(real) > 1 and real[1] is not None and (real[1] == edge).any():
+        return _fact(op, 1, real[1], real[1] == edge, f"are exactly {edge}")
+    return None
+
+
+def _pow_parts(real: list):
+    if len(real) > 1 and real[0] is not None and real[1] is not None:
+        return np.broadcast_arrays(real[0], real[1])
+    return None, None
+
+
+def _pow_of_negative_base(in_backward: bool):
+    def check(op: str, real: list, ins: list) -> str | None:
+        base, exponent = _pow_parts(real)
+        if base is None:
+            return None
+        # a negative base is NaN forward for a non-integer exponent; its gradient with
+        # respect to the exponent is log(base) = NaN for every negative base
+        if ((base < 0) & ((exponent != np.round(exponent)) | in_backward)).any():
+            return _fact(op, 0, real[0], real[0] < 0, "are negative")
+        return None
+
+    return check
+
+
+def _pow_of_zero_negative_exponent(op: str, real: list, ins: list) -> str | None:
+    base, exponent = _pow_parts(real)
+    if base is not None and ((base == 0) & (exponent < 0)).any():
+        return _fact(op, 0, real[0], real[0] == 0, "are exactly 0 (exponent < 0)")
+    return None
+
+
+def _pow_of_zero_below_one(op: str, real: list, ins: list) -> str | None:
+    base, exponent = _pow_parts(real)
+    if base is None:
+        return None
+    singular = (base == 0) & (exponent < 1)
+    if singular.any():
+        p = float(np.min(exponent[singular]))
+        return _fact(op, 0, real[0], real[0] == 0, f"are exactly 0 (exponent {p:.3g} < 1)")
+    return None
+
+
+def _atan2_at_origin(op: str, real: list, ins: list) -> str | None:
+    if len(real) > 1 and real[0] is not None and real[1] is not None:
         y, x = np.broadcast_arrays(real[0], real[1])
         origin = (y == 0) & (x == 0)
         if origin.any():
-            return "singular_derivative", f"{_count(origin)} of {origin.size} points of Atan2 are (0, 0)"
-    if op in ("Angle", "ComplexAbs") and ins and ins[0] is not None and in_backward:
-        zero = ins[0] == 0
-        if zero.any():
-            return "singular_derivative", _fact(op, 0, ins[0], zero, "are exactly 0")
-    if op == "EuclideanNorm" and first is not None and in_backward and not np.any(first):
-        return "singular_derivative", f"every input of {op} is 0"
-    if op in DIVISION_OPS and real:
-        index = 0 if op in ("Reciprocal", "Inv") else 1
-        if len(real) > index and real[index] is not None and (real[index] == 0).any():
-            return "division_by_zero", _fact(op, index, real[index], real[index] == 0, "are exactly 0")
+            return f"{_count(origin)} of {origin.size} points of Atan2 are (0, 0)"
+    return None
+
+
+def _complex_at_zero(op: str, real: list, ins: list) -> str | None:
+    if ins and ins[0] is not None and (ins[0] == 0).any():
+        return _fact(op, 0, ins[0], ins[0] == 0, "are exactly 0")
+    return None
+
+
+def _norm_of_zeros(op: str, real: list, ins: list) -> str | None:
+    if real and real[0] is not None and not np.any(real[0]):
+        return f"every input of {op} is 0"
+    return None
+
+
+def _division_by_zero(op: str, real: list, ins: list) -> str | None:
+    index = 0 if op in ("Reciprocal", "Inv") else 1
+    if len(real) > index and real[index] is not None and (real[index] == 0).any():
+        return _fact(op, index, real[index], real[index] == 0, "are exactly 0")
+    return None
+
+
+def _ops(*names: str) -> frozenset:
+    return frozenset(names)
+
+
+_is_zero = lambda a: a == 0  # noqa: E731
+_is_negative = lambda a: a < 0  # noqa: E731
+
+#: The recognition rules of forward ops, in the order they are tried.
+RULES: tuple[Rule, ...] = (
+    Rule(_ops("Log"), "log_of_zero", _entries(0, _is_zero, "are exactly 0")),
+    Rule(_ops("Log"), "domain_edge", _entries(0, _is_negative, "are negative")),
+    Rule(_ops("Log1p"), "log_of_zero", _entries(0, lambda a: a == -1, "are exactly -1")),
+    Rule(_ops("Log1p"), "domain_edge", _entries(0, lambda a: a < -1, "are below -1")),
+    Rule(_ops("Xlogy", "Xlog1py"), "log_of_zero", _log_argument_at_edge),
+    Rule(_ops("Sqrt", "Rsqrt"), "domain_edge", _entries(0, _is_negative, "are negative")),
+    Rule(_ops("Sqrt"), "singular_derivative", _entries(0, _is_zero, "are exactly 0"), backward_only=True),
+    Rule(_ops("Rsqrt"), "division_by_zero", _entries(0, _is_zero, "are exactly 0")),
+    Rule(_ops("Pow"), "pow_negative_base", _pow_of_negative_base(in_backward=False)),
+    Rule(_ops("Pow"), "pow_negative_base", _pow_of_negative_base(in_backward=True), backward_only=True),
+    Rule(_ops("Pow"), "division_by_zero", _pow_of_zero_negative_exponent),
+    Rule(_ops("Pow"), "singular_derivative", _pow_of_zero_below_one, backward_only=True),
+    Rule(_ops("Acos", "Asin"), "domain_edge", _entries(0, lambda a: np.abs(a) > 1, "are outside [-1, 1]")),
+    Rule(_ops("Acos", "Asin"), "singular_derivative", _entries(0, lambda a: np.abs(a) == 1, "are exactly +-1"),
+         backward_only=True),
+    Rule(_ops("Atanh"), "domain_edge", _entries(0, lambda a: np.abs(a) >= 1, "are outside (-1, 1)")),
+    Rule(_ops("Lgamma", "Digamma"), "domain_edge",
+         _entries(0, lambda a: (a <= 0) & (a == np.round(a)), "are poles (0, -1, -2, ...)")),
+    Rule(_ops("Atan2"), "singular_derivative", _atan2_at_origin, backward_only=True),
+    Rule(_ops("Angle", "ComplexAbs"), "singular_derivative", _complex_at_zero, backward_only=True),
+    Rule(_ops("EuclideanNorm"), "singular_derivative", _norm_of_zeros, backward_only=True),
+    Rule(DIVISION_OPS, "division_by_zero", _division_by_zero),
+)
+
+#: The causes no rule of RULES names, and the function that recognises each.
+RECOGNISED_ELSEWHERE: dict[str, str] = {
+    "nonfinite_input": "companion.diagnostics.doctor (the batch is checked before the re-run)",
+    "nonfinite_weights": "companion.diagnostics.doctor (the weights are checked before the re-run)",
+    "where_trap": "classify (a masked tf.where above a failing gradient)",
+    "overflow": "_output_cause (an infinite output from finite inputs)",
+    "inf_arithmetic": "_output_cause (0 * Inf, Inf - Inf, a fully masked row)",
+    "domain_edge": "_output_cause (a non-finite output from finite inputs) and RULES",
+    "divergence": "companion.diagnostics.doctor (grew: the losses before the failure)",
+    "compiled_only": "companion.diagnostics.doctor (the compiled step fails, the re-run does not)",
+    "not_reproducible": "companion.diagnostics.doctor (the step is finite when run again)",
+    "unclassified": "classify (no rule and no output cause)",
+}
+
+
+def _forward_cause(op: str, inputs: Sequence, event, *, in_backward: bool) -> tuple[str, str]:
+    """The cause seen from an op's own type and input values: the first rule of RULES that holds."""
+    ins = [_as_float(a) for a in inputs]
+    real = [a if a is not None and not np.iscomplexobj(a) else None for a in ins]
+    for rule in RULES:
+        if op in rule.ops and (in_backward or not rule.backward_only):
+            summary = rule.check(op, real, ins)
+            if summary is not None:
+                return rule.cause, summary
     return "unclassified", ""
 
 

@@ -14,6 +14,7 @@ import re
 
 import pytest
 
+import book_tools
 from companion.book.cases import CASES as CHECKLIST
 from companion.diagnostics import CAUSES
 
@@ -109,3 +110,15 @@ def test_the_checklist_table_has_a_case_of_each_cause_that_points_to_it():
     for cause, entry in CAUSES.items():
         if entry.section == TABLE and cause != "unclassified":
             assert any(case.cause == cause for case in CHECKLIST.values()), cause
+
+
+def test_the_api_page_shows_the_causes_table_rendered_from_causes():
+    page = book_tools.API_PAGE.read_text()
+    assert book_tools.causes_table() in page, (
+        "book/reference/api.md's causes table is generated from companion.diagnostics.CAUSES: "
+        "run `python scripts/refresh_notebooks.py --no-execute`"
+    )
+    assert book_tools.with_causes_table(page) == page
+    for name, (description, fix, section) in CAUSES.items():
+        row = next(line for line in page.splitlines() if line.startswith(f"| `{name}` |"))
+        assert description in row and fix in row and section.partition("#")[2] in row, name

@@ -480,3 +480,14 @@ def test_the_chinese_section_links_land_on_an_anchor_of_the_chinese_page():
                     missing.append(f"{_name(page)}: {target}#{anchor}")
     assert links >= 13, f"only {links} section links in the Chinese pages (the API page's causes table has 13)"
     assert not missing, "section links without their anchor:\n" + "\n".join(missing)
+
+
+def test_each_row_of_a_table_is_a_unit_of_its_own_so_a_new_cause_is_one_new_unit():
+    units = [u.text for u in translate_book.units_of(book_tools.API_PAGE)]
+    header, rule, *rows = book_tools.causes_table().split("\n")
+    assert f"{header}\n{rule}" in units
+    assert all(row in units for row in rows)
+    page = "intro\n\n| a | b |\n|---|---|\n| 1 | 2 |\n| 3 | 4 |\n\nend\n"
+    pieces = translate_book.md_blocks(page)
+    assert [block for block, _ in pieces] == ["intro", "| a | b |\n|---|---|", "| 1 | 2 |", "| 3 | 4 |", "end"]
+    assert translate_book.join_md_blocks(pieces) == page
