@@ -9,7 +9,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from companion import _tf_internals
+from companion import _internal
 from companion._gradients import all_finite
 
 __all__ = ["SkipNonFinite"]
@@ -127,7 +127,7 @@ class SkipNonFinite(keras.optimizers.Optimizer):
             self.built = True
         if tf.distribute.in_cross_replica_context():
             raise ValueError("SkipNonFinite.apply() must be called in a replica context")
-        if _tf_internals.strategy_supports_no_merge_call():
+        if _internal.strategy_supports_no_merge_call():
             self._replica_apply(grads, trainable_variables)
         else:
             tf.distribute.get_replica_context().merge_call(self._cross_replica_apply, args=(grads, trainable_variables))

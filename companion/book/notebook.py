@@ -216,7 +216,7 @@ def _is_typed_literal(value) -> bool:
 def _perturbing_creator(next_creator, **kwargs):
     import tensorflow as tf
 
-    from companion import _tf_internals
+    from companion import _internal
 
     seed = _perturbation["seed"]
     initial = kwargs.get("initial_value")
@@ -225,7 +225,7 @@ def _perturbing_creator(next_creator, **kwargs):
         or initial is None
         or _is_typed_literal(initial)
         or tf.distribute.has_strategy()
-        or _tf_internals.is_checkpoint_restore(initial)
+        or _internal.is_checkpoint_restore(initial)
     ):
         return next_creator(**kwargs)
     index = _perturbation["count"]

@@ -12,7 +12,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from companion import _tf_internals
+from companion import _internal
 from companion._gradients import all_finite
 from companion.diagnostics.data import _unpack, batches
 from companion.diagnostics.doctor import Diagnosis, diagnose, replace
@@ -128,7 +128,7 @@ class NaNDoctor(keras.callbacks.Callback):
             self.nonfinite_logs = ()
             self._fit_data = self.data
             if self._fit_data is None:
-                found = _tf_internals.running_fit_arguments(sys._getframe(1))
+                found = _internal.running_fit_arguments(sys._getframe(1))
                 if found is not None:
                     self._fit_data = found
             self._tap(sys._getframe(1))
@@ -138,7 +138,7 @@ class NaNDoctor(keras.callbacks.Callback):
 
     def _tap(self, frame) -> None:
         """When fit shuffles arrays, keep the batches it trains on (Keras' permutation is its own)."""
-        found = _tf_internals.running_fit_locals(frame, ("x", "shuffle", "steps_per_epoch"))
+        found = _internal.running_fit_locals(frame, ("x", "shuffle", "steps_per_epoch"))
         if found is None or not found["shuffle"] or not _is_arrays(found["x"]):
             return
         self._shuffled = True
@@ -152,7 +152,7 @@ class NaNDoctor(keras.callbacks.Callback):
                 self._tapped_bytes += size
                 self._produced += 1
 
-        self._untap = _tf_internals.tap_fit_batches(frame, record)
+        self._untap = _internal.tap_fit_batches(frame, record)
 
     def on_train_end(self, logs=None) -> None:
         untap, self._untap = self._untap, None
@@ -443,7 +443,7 @@ class _Functions:
 
 
 def _is_random_state(variable) -> bool:
-    return any(variable is state for state in _tf_internals.global_random_states())
+    return any(variable is state for state in _internal.global_random_states())
 
 
 #: The compiled copy and checks of each model, kept while its variables are the same, so

@@ -24,7 +24,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from companion import _tf_internals
+from companion import _internal
 from companion._version import __version__
 from companion.diagnostics.gradients import _variable_path
 from companion.diagnostics.state import components
@@ -57,7 +57,7 @@ def named_variables(model: Any) -> list[tuple[str, Any]]:
     add("metrics/", getattr(model, "metrics_variables", []) or [])
     for index, optimizer in enumerate(optimizers_of(model)):
         add(f"optimizer{index}/", getattr(optimizer, "variables", ()))
-    for index, variable in enumerate(_tf_internals.global_random_states()):
+    for index, variable in enumerate(_internal.global_random_states()):
         if id(variable) not in seen:
             seen.add(id(variable))
             named.append((f"random/{index}", variable))

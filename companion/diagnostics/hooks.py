@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from companion import _tf_internals
+from companion import _internal
 from companion.diagnostics.doctor import Diagnosis, diagnose, replace
 from companion.diagnostics.state import preserved
 from companion.diagnostics.step import uses_own_step
@@ -96,7 +96,7 @@ def diagnose_skipped_step(run: Any, step: int) -> Diagnosis | None:
 
 def _variables(run) -> list:
     """What the re-run may move: the model's and optimizer's variables, the global RNGs."""
-    variables = list(run.model.variables) + _tf_internals.global_random_states()
+    variables = list(run.model.variables) + _internal.global_random_states()
     optimizer = getattr(run, "optimizer", None)
     if optimizer is not None:
         variables += list(getattr(optimizer, "variables", ()))

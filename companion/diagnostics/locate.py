@@ -16,7 +16,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from companion import _tf_internals
+from companion import _internal
 from companion.diagnostics.sources import source_text
 from companion.diagnostics.trace import FirstNonFinite, OpEvent, OpTracer, eager_trace, nonfinite_mask
 
@@ -225,7 +225,7 @@ def locate_nonfinite(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> NonFi
         raise TypeError(f"fn must be callable, got {type(fn).__name__} {fn!r}")
     tf_filtering = tf.debugging.is_traceback_filtering_enabled()
     keras_filtering = keras.config.is_traceback_filtering_enabled()
-    was_checking = _tf_internals.check_numerics_enabled()
+    was_checking = _internal.check_numerics_enabled()
     tracer = OpTracer(stop_at_first=True)
     try:
         tf.debugging.disable_traceback_filtering()

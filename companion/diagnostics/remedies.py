@@ -71,7 +71,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from companion import _tf_internals
+from companion import _internal
 from companion.diagnostics.data import nonfinite_data
 from companion.diagnostics.sources import layer_path
 from companion.diagnostics.state import restore, snapshot
@@ -87,7 +87,7 @@ LOW_PRECISION = ("float16", "bfloat16")
 def _layer(model, path: str | None):
     if not path:
         return None
-    for layer in _tf_internals.all_layers(model)[1:]:  # every nested layer, not the model
+    for layer in _internal.all_layers(model)[1:]:  # every nested layer, not the model
         if layer_path(layer) == path:
             return layer
     return None

@@ -25,7 +25,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from companion import _tf_internals
+from companion import _internal
 from companion.diagnostics.gradients import _variable_path
 
 __all__ = ["OwnStepScan", "culprit", "optimizers_of", "step_variables", "uses_own_step"]
@@ -69,7 +69,7 @@ def step_variables(model: Any) -> list:
     variables += list(getattr(model, "metrics_variables", []) or [])
     for optimizer in optimizers_of(model):
         variables += list(getattr(optimizer, "variables", ()))
-    variables += _tf_internals.global_random_states()
+    variables += _internal.global_random_states()
     unique, seen = [], set()
     for variable in variables:
         if id(variable) not in seen:

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from companion import _tf_internals
+from companion import _internal
 from companion.diagnostics.sources import where_in_user_code
 
 # Ops that write a variable: the value they write (input 1) is checked.
@@ -154,9 +154,9 @@ class OpTracer:
             return outputs
         self._count += 1
         frame = sys._getframe(1)
-        backprop = _tf_internals.backprop_forward_op(frame)
+        backprop = _internal.backprop_forward_op(frame)
         stage = self.stage
-        if backprop is None and stage != "backward" and _tf_internals.in_backprop(frame):
+        if backprop is None and stage != "backward" and _internal.in_backprop(frame):
             stage = "backward"  # e.g. the tape adding up the gradients of a shared tensor
         layer, filename, lineno = where_in_user_code(frame)
         values = [_numeric(t) for t in outputs]
@@ -246,7 +246,7 @@ class eager_trace:
     def __enter__(self) -> OpTracer:
         self._was_eager = tf.config.functions_run_eagerly()
         tf.config.run_functions_eagerly(True)
-        self._callback = _tf_internals.op_callback(self.tracer)
+        self._callback = _internal.op_callback(self.tracer)
         self._callback.__enter__()
         return self.tracer
 

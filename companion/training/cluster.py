@@ -15,7 +15,7 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
-from companion import _tf_internals
+from companion import _internal
 from companion.training.results import TrainingHistory, WorkerLostError
 
 
@@ -80,7 +80,7 @@ class Cluster:
     @classmethod
     def of(cls, strategy: tf.distribute.Strategy) -> "Cluster | None":
         """The cluster of ``strategy``, or ``None`` if it runs in this process only."""
-        if not _tf_internals.in_multi_worker_mode(strategy):
+        if not _internal.in_multi_worker_mode(strategy):
             return None
         return cls(strategy)
 
@@ -102,7 +102,7 @@ class Cluster:
     def lost(self, error: Exception, epoch: int, history: TrainingHistory, checkpoint) -> WorkerLostError:
         """The :class:`WorkerLostError` for a collective that failed with ``error``."""
         text = str(error)
-        peers = _tf_internals.tasks_named_in(text)
+        peers = _internal.tasks_named_in(text)
         if isinstance(error, tf.errors.DeadlineExceededError) or "timed out" in text:
             cause = (
                 "a collective operation timed out (the timeout_seconds of the strategy's communication_options): "
@@ -122,7 +122,7 @@ class Cluster:
             resume = "restart all workers; no epoch had completed, so training starts again from the beginning"
         else:
             resume = "restart all workers (pass checkpoint_dir to resume after the last completed epoch)"
-        first_line = _tf_internals.collective_error_summary(text) or type(error).__name__
+        first_line = _internal.collective_error_summary(text) or type(error).__name__
         return WorkerLostError(
             f"{self.task} of {self.workers} lost a peer during epoch {epoch + 1}: {cause} "
             f"({type(error).__name__}: {first_line[:300]}). TensorFlow aborted this process's collective "

@@ -38,7 +38,7 @@ are not recorded.
 Under a multi-worker strategy the step's logs get a leading axis of length 1 (Keras'
 ``fit`` reduces them with ``strategy.reduce("MEAN", value, axis=0)``, which fails on a
 scalar), and the model's symbolic build takes its example batch from the local
-replica (a repair in :mod:`companion._tf_internals`): the two places where Keras 3's
+replica (a repair in :mod:`companion._internal`): the two places where Keras 3's
 ``fit`` fails under ``MultiWorkerMirroredStrategy``.
 
 The design is derived in the chapter *A training loop that survives NaN*.
@@ -58,7 +58,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from companion import _tf_internals
+from companion import _internal
 from companion._gradients import global_norm, nonfinite_counts, scale_gradient
 from companion.diagnostics import GradientRecord, GradientReport
 from companion.diagnostics.hooks import diagnose_skipped_step
@@ -114,9 +114,9 @@ class GuardedStep:
         self.inner = self.loss_scaler.inner_optimizer if self.loss_scaler is not None else self.optimizer
         self.strategy = strategy
         self.replicas = int(strategy.num_replicas_in_sync)
-        self.multi_worker = _tf_internals.in_multi_worker_mode(strategy)
+        self.multi_worker = _internal.in_multi_worker_mode(strategy)
         if self.replicas > 1 and not self.multi_worker:
-            _tf_internals.isolate_collective_keys(strategy)
+            _internal.isolate_collective_keys(strategy)
         self.capacity = int(capacity)
         self.guard = guard
         self.clip = clip
@@ -125,7 +125,7 @@ class GuardedStep:
         self.original_step = model.train_step
         self.optimizers = model_optimizers(model)
         self.original_test_step = model.test_step
-        self.presummed = self.replicas > 1 and _tf_internals.can_skip_optimizer_all_reduce(self.inner)
+        self.presummed = self.replicas > 1 and _internal.can_skip_optimizer_all_reduce(self.inner)
         self.masked = self.replicas == 1 and self.loss_scaler is None and guard
         self.mode = None  # how the update was compiled, known once traced
         self._slot = _TraceSlot()
@@ -183,7 +183,7 @@ class GuardedStep:
         if self.multi_worker:
             model.test_step = types.MethodType(
                 tf.autograph.experimental.do_not_convert(lambda _model, data: self.test_step(data)), model)
-            _tf_internals.repair_symbolic_build_for_multi_worker(model)
+            _internal.repair_symbolic_build_for_multi_worker(model)
         # fit builds its train function from model.train_step: the guarded one traced by
         # an earlier call of train, else a fresh one; the user's is put back afterwards.
         self._user_functions = (model.train_function, model.test_function)
@@ -216,7 +216,7 @@ class GuardedStep:
         for name in ("train_step", "test_step"):
             if name in vars(model):
                 delattr(model, name)
-        _tf_internals.undo_symbolic_build_repair(model)
+        _internal.undo_symbolic_build_repair(model)
         self._train_function, self._test_function = model.train_function, model.test_function
         model.train_function, model.test_function = getattr(self, "_user_functions", (None, None))
 
@@ -247,7 +247,7 @@ class GuardedStep:
             spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype) if tf.is_tensor(t) else t, data)
             with tf.init_scope():
                 try:
-                    _tf_internals.build_compiled_state(self.model, spec)
+                    _internal.build_compiled_state(self.model, spec)
                 except (RuntimeError, NotImplementedError):
                     pass
         self.state = state = self._state()
@@ -551,7 +551,7 @@ class GuardedStep:
 
         scale = self._scale()  # before the update may change it
         if self.presummed:
-            with _tf_internals.optimizer_all_reduce_skipped(self.inner):
+            with _internal.optimizer_all_reduce_skipped(self.inner):
                 self._update(apply, update, trainable_variables, applied)
         else:
             self._update(apply, update, trainable_variables, applied)
@@ -597,7 +597,7 @@ class GuardedStep:
             self._run_apply(apply, grads, variables)
             return tf.constant(0)
 
-        if self.replicas > 1 and not _tf_internals.strategy_supports_no_merge_call():
+        if self.replicas > 1 and not _internal.strategy_supports_no_merge_call():
             context = tf.distribute.get_replica_context()
 
             def cross_replica(distribution, grads, applied):
@@ -637,7 +637,7 @@ class GuardedStep:
 def _random_state(model) -> list:
     """The state of every ``keras.random.SeedGenerator`` of ``model`` (moves on when skipped)."""
     found = []
-    for layer in _tf_internals.all_layers(model):
+    for layer in _internal.all_layers(model):
         for value in vars(layer).values():
             if isinstance(value, keras.random.SeedGenerator):
                 found.append(value.state)
@@ -659,7 +659,7 @@ def model_optimizers(model) -> list:
                 found.append(value)
 
     add(getattr(model, "optimizer", None))
-    for layer in _tf_internals.all_layers(model):
+    for layer in _internal.all_layers(model):
         for value in list(vars(layer).values()):
             if isinstance(value, (list, tuple)):
                 for item in value:
@@ -926,7 +926,7 @@ def asks_for_batch_hooks(callbacks) -> bool:
     for callback in callbacks:
         if isinstance(callback, (keras.callbacks.History, keras.callbacks.ProgbarLogger)):
             continue
-        overridden = [name for name in hooks if not _tf_internals.is_default_callback_method(callback, name)]
+        overridden = [name for name in hooks if not _internal.is_default_callback_method(callback, name)]
         if isinstance(callback, _EPOCH_SAVERS) and getattr(callback, "save_freq", None) == "epoch":
             keras_own = next(c for c in _EPOCH_SAVERS if isinstance(callback, c))
             overridden = [

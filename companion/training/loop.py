@@ -14,7 +14,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from companion import _tf_internals
+from companion import _internal
 from companion._checks import check_int, check_positive_number
 from companion.losses import check_keras_loss_shapes
 from companion.optimizers import SkipNonFinite
@@ -263,7 +263,7 @@ def train(
         # Keras' XLA step under several replicas accesses variables placed on the other
         # replicas' devices: fit itself raises InvalidArgumentError (TF 2.16-2.21).
         model.jit_compile = False
-    short_calls = _tf_internals.multi_step_loop_ends_short_calls()
+    short_calls = _internal.multi_step_loop_ends_short_calls()
     if chosen and not short_calls and (validation_data is not None or validation_split):
         chosen = False  # older Keras would drop the validation pass's short last call
     if chosen and strategy.num_replicas_in_sync == 1:
@@ -310,11 +310,11 @@ def _fit(model, x, y, step, callbacks, fit_arguments, history, cluster, checkpoi
             # WorkerLostError, so the survivor exits (the kill matrix covers each moment).
             if cluster is not None and isinstance(error, PEER_FAILURES):
                 raise cluster.lost(error, guard_callback.epoch, history, checkpoint) from error
-            if attempt == 0 and model.jit_compile and history.steps == 0 and _tf_internals.looks_like_xla_failure(
+            if attempt == 0 and model.jit_compile and history.steps == 0 and _internal.looks_like_xla_failure(
                 error
             ):
                 warnings.warn(
-                    f"XLA could not compile the training step ({_tf_internals.xla_failure_summary(error)}); "
+                    f"XLA could not compile the training step ({_internal.xla_failure_summary(error)}); "
                     "training without XLA. Pass jit_compile=False to skip this attempt.",
                     RuntimeWarning,
                     stacklevel=3,
@@ -385,7 +385,7 @@ def _loss_scaled(model, optimizer, auto_scale_loss):
         return optimizer
     if getattr(getattr(model, "dtype_policy", None), "name", None) == "mixed_float16":
         return optimizer  # compile wraps it
-    policies = {getattr(getattr(layer, "dtype_policy", None), "name", None) for layer in _tf_internals.all_layers(model)}
+    policies = {getattr(getattr(layer, "dtype_policy", None), "name", None) for layer in _internal.all_layers(model)}
     if "mixed_float16" in policies and isinstance(optimizer, keras.optimizers.Optimizer):
         return keras.optimizers.LossScaleOptimizer(optimizer)
     return optimizer

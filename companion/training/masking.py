@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from companion import _tf_internals
+from companion import _internal
 
 
 class UnmaskableUpdate(Exception):
@@ -48,11 +48,11 @@ class masked_writes:
         return tf.where(self.apply, new, old)
 
     def __enter__(self) -> "masked_writes":
-        if not _tf_internals.variable_writes_interceptable():
+        if not _internal.variable_writes_interceptable():
             raise UnmaskableUpdate("variable writes cannot be intercepted with this TensorFlow")
         self._graph = tf.compat.v1.get_default_graph()
         self._first_op = len(self._graph.get_operations())
-        self._intercept = _tf_internals.intercept_variable_writes(self._rewrite)
+        self._intercept = _internal.intercept_variable_writes(self._rewrite)
         self._intercept.__enter__()
         return self
 
@@ -68,8 +68,8 @@ class masked_writes:
             raise UnmaskableUpdate(f"the update contains {', '.join(foreign)}")
         if assigns != self.count:
             # Writes that did not go through the interceptor: TensorFlow or Keras no
-            # longer write variables the way _tf_internals relies on.
-            _tf_internals.warn_once(
+            # longer write variables the way companion._internal relies on.
+            _internal.warn_once(
                 "unintercepted writes",
                 f"{assigns - self.count} of {assigns} variable writes of the update bypassed "
                 "gen_resource_variable_ops: the masked update is unavailable, so the update runs under a tf.cond "

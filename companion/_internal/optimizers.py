@@ -1,0 +1,65 @@
+"""Private TensorFlow/Keras APIs, one family: keras optimizers: the all-reduce inside ``apply`` that the guarded step makes once.
+
+Each hook says what it relies on and what happens when it is gone, and is registered
+(:func:`companion._internal.registry.hook`) with its canary tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator
+
+
+from companion._internal.registry import hook, warn_once
+
+
+# --------------------------------------------------------------------------------------
+# Gradients already summed over replicas
+# --------------------------------------------------------------------------------------
+# Relies on: Keras 3's TensorFlow optimizer all-reducing the gradients inside ``apply``
+# through its method ``_all_reduce_sum_gradients(grads_and_vars)``. The training loop
+# has summed them for the finiteness test already; overriding the method on the
+# instance with the identity avoids a second all-reduce.
+# If gone: each replica hands the optimizer its own share (scaled by 1/global batch)
+# and the optimizer's all-reduce sums them: the same numbers, twice the traffic.
+
+
+@hook('test_keras_optimizers_all_reduce_through_the_method_the_loop_overrides')
+def can_skip_optimizer_all_reduce(optimizer) -> bool:
+    """Whether :func:`optimizer_all_reduce_skipped` works for ``optimizer``."""
+    if callable(getattr(type(optimizer), "_all_reduce_sum_gradients", None)):
+        return True
+    warn_once(
+        "_all_reduce_sum_gradients",
+        f"{type(optimizer).__name__} has no _all_reduce_sum_gradients: with several replicas the gradients are "
+        "all-reduced twice per step (once for the finiteness test, once by the optimizer)",
+    )
+    return False
+
+
+_skip_lock = threading.Lock()
+_skip_users: dict[int, int] = {}
+
+
+@hook('test_keras_optimizers_all_reduce_through_the_method_the_loop_overrides')
+@contextlib.contextmanager
+def optimizer_all_reduce_skipped(optimizer) -> Iterator[None]:
+    """While tracing ``optimizer.apply``: tell it its gradients are summed already.
+
+    Reference-counted per optimizer: under ``MirroredStrategy`` every replica's thread
+    enters it around the same ``merge_call``.
+    """
+    with _skip_lock:
+        count = _skip_users.get(id(optimizer), 0)
+        if count == 0:
+            optimizer._all_reduce_sum_gradients = list  # the (gradient, variable) pairs, unchanged
+        _skip_users[id(optimizer)] = count + 1
+    try:
+        yield
+    finally:
+        with _skip_lock:
+            _skip_users[id(optimizer)] -= 1
+            if _skip_users[id(optimizer)] == 0:
+                del _skip_users[id(optimizer)]
+                del optimizer._all_reduce_sum_gradients
