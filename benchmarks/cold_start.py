@@ -94,7 +94,7 @@ class Split:
     def __enter__(self):
         import keras.src.backend.tensorflow.trainer as keras_trainer
 
-        from companion.training import guard
+        from companion.training import step as guarded
 
         self._undo = []
         timer = self
@@ -113,7 +113,7 @@ class Split:
             self._undo.append((owner, name, original))
 
         wrap(keras_trainer.TensorFlowTrainer, "train_step", "keras_step")
-        wrap(guard.GuardedStep, "train_step", "guarded_step")
+        wrap(guarded.GuardedStep, "train_step", "guarded_step")
         wrap(keras.Model, "fit", "fit")
         return self
 

@@ -62,7 +62,7 @@ def strategy_supports_no_merge_call() -> bool:
 
 
 # --------------------------------------------------------------------------------------
-# Two MirroredStrategys in one process (companion.training.guard)
+# Two MirroredStrategys in one process (companion.training.step)
 # --------------------------------------------------------------------------------------
 # Relies on: ``MirroredStrategy.extended._collective_keys``, a
 # ``tensorflow.python.distribute.cross_device_utils.CollectiveKeys`` whose instance keys

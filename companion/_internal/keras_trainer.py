@@ -183,7 +183,7 @@ def tap_fit_batches(frame, record: Callable[[Any], None]) -> Callable[[], None] 
 
 
 # --------------------------------------------------------------------------------------
-# Keras' fit under MultiWorkerMirroredStrategy (companion.training.guard)
+# Keras' fit under MultiWorkerMirroredStrategy (companion.training.step)
 # --------------------------------------------------------------------------------------
 # Relies on: Keras 3's ``TensorFlowTrainer._maybe_symbolic_build(iterator, data_batch)``,
 # called by ``fit``/``evaluate`` before the first step, and ``Trainer._symbolic_build``;

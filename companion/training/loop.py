@@ -1,6 +1,8 @@
 """:func:`companion.training.train`: Keras' own ``fit``, with the guarded step of
-:mod:`companion.training.guard` installed, epoch-end checkpoints, and the clean exit
-after a lost worker (chapter *A training loop that survives NaN*).
+:mod:`companion.training.step` installed (:mod:`companion.training.patches` lists what that
+changes on the model and puts back), the callbacks of :mod:`companion.training.callbacks`,
+epoch-end checkpoints, and the clean exit after a lost worker (chapter *A training loop
+that survives NaN*).
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from companion.losses import check_keras_loss_shapes
 from companion.optimizers import SkipNonFinite
 from companion.training.checkpoints import TrainingCheckpoint
 from companion.training.cluster import PEER_FAILURES, Cluster, arm_exit_after_worker_loss
-from companion.training.guard import (
-    DoctorView, GuardCallback, GuardedStep, asks_for_batch_hooks, model_cache,
-)
+from companion.training.callbacks import CheckpointCallback, GuardCallback, asks_for_batch_hooks
+from companion.training.patches import ModelPatches
+from companion.training.records import DoctorView
+from companion.training.step import GuardedStep, model_cache
 from companion.training.inputs import ON_NONFINITE, as_dataset, check_callbacks, check_targets, replay_batches
 from companion.training.results import TrainingHistory, WorkerLostError
 
@@ -257,21 +260,20 @@ def train(
         # validation_steps says, and counts steps_per_epoch in host calls: 1 there.
         and not steps_per_epoch and not validation_steps
     )
-    previous_steps = model.steps_per_execution
-    xla_off = strategy.num_replicas_in_sync > 1 and bool(model.jit_compile)
-    if xla_off:
+    patches = ModelPatches()  # everything this call changes on the model, put back at its end
+    if strategy.num_replicas_in_sync > 1 and bool(model.jit_compile):
         # Keras' XLA step under several replicas accesses variables placed on the other
         # replicas' devices: fit itself raises InvalidArgumentError (TF 2.16-2.21).
-        model.jit_compile = False
+        patches.set(model, "jit_compile", False)
     short_calls = _internal.multi_step_loop_ends_short_calls()
     if chosen and not short_calls and (validation_data is not None or validation_split):
         chosen = False  # older Keras would drop the validation pass's short last call
     if chosen and strategy.num_replicas_in_sync == 1:
         # (Keras 3.15's multi-step loop fails under MirroredStrategy: one step per call there.)
-        model.steps_per_execution = _steps_per_execution(
+        patches.set(model, "steps_per_execution", _steps_per_execution(
             x, batch_size, steps_per_epoch, validation_split, whole_epochs_only=not short_calls,
             epochs=int(epochs) - fit_arguments["initial_epoch"], variables=len(model.trainable_variables),
-        )
+        ))
     step = _guarded_step(model, strategy, guard=on_nonfinite != "ignore", clip=clip_global_norm, limit=limit)
     doctor = DoctorView(
         model, strategy, history, lambda: replay_batches(x, y, sample_weight, batch_size, validation_split), cluster,
@@ -281,25 +283,21 @@ def train(
         shuffled=shuffle is not False and not isinstance(x, tf.data.Dataset),
     )
     guard_callback = GuardCallback(step, history, on_nonfinite=on_nonfinite, limit=limit, doctor=doctor)
-    extra = [_CheckpointCallback(checkpoint, history)] if checkpoint is not None else []
+    extra = [CheckpointCallback(checkpoint, history)] if checkpoint is not None else []
     try:
-        return _fit(model, x, y, step, [guard_callback, *callbacks, history, *extra], fit_arguments, history,
-                    cluster, checkpoint, guard_callback)
+        return _fit(model, x, y, step, patches, [guard_callback, *callbacks, history, *extra], fit_arguments,
+                    history, cluster, checkpoint, guard_callback)
     except WorkerLostError:
         if on_worker_loss == "exit":
             arm_exit_after_worker_loss()
         raise
     finally:
-        step.uninstall()
-        if chosen:
-            model.steps_per_execution = previous_steps
-        if xla_off:
-            model.jit_compile = True
+        patches.restore()
 
 
-def _fit(model, x, y, step, callbacks, fit_arguments, history, cluster, checkpoint, guard_callback):
+def _fit(model, x, y, step, patches, callbacks, fit_arguments, history, cluster, checkpoint, guard_callback):
     for attempt in (0, 1):
-        step.install()
+        step.install(patches)
         try:
             model.fit(x, y, callbacks=callbacks, **fit_arguments)
             return history
@@ -319,8 +317,8 @@ def _fit(model, x, y, step, callbacks, fit_arguments, history, cluster, checkpoi
                     RuntimeWarning,
                     stacklevel=3,
                 )
-                model.jit_compile = False
-                step.forget_functions()
+                model.jit_compile = False  # kept after the call: this model's step does not compile
+                step.forget_functions(patches)
                 continue
             raise
     raise AssertionError("unreachable")  # pragma: no cover
@@ -484,15 +482,3 @@ def _resume(model, cluster, checkpoint_dir) -> tuple[TrainingHistory, int, Train
                 "checkpoint_dir, e.g. on a shared file system"
             )
     return history, start_epoch, checkpoint
-
-
-class _CheckpointCallback(keras.callbacks.Callback):
-    """Saves the :class:`TrainingCheckpoint` at every epoch end (after ``History``)."""
-
-    def __init__(self, checkpoint: TrainingCheckpoint, history: TrainingHistory) -> None:
-        super().__init__()
-        self.checkpoint = checkpoint
-        self.training_history = history
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.checkpoint.save(epoch + 1, self.training_history)

@@ -388,10 +388,10 @@ def test_the_doctor_leaves_every_variable_and_seed_generator_bit_identical():
 
 
 def test_train_calls_the_doctor_on_no_step_that_is_not_skipped(monkeypatch):
-    from companion.training import guard
+    from companion.training import callbacks
 
     calls = []
-    monkeypatch.setattr(guard, "diagnose_skipped_step", lambda run, step: calls.append(step))
+    monkeypatch.setattr(callbacks, "diagnose_skipped_step", lambda run, step: calls.append(step))
     x, y = poisoned()
     x[9] = 1.0
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)

@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 from companion.training import train
-from companion.training.guard import model_optimizers
+from companion.training.step import model_optimizers
 
 RNG = np.random.default_rng(0)
 

@@ -448,7 +448,7 @@ class _StepsPerCall(keras.callbacks.Callback):
 
 
 def test_epoch_checkpoints_leave_train_several_steps_per_host_call_and_per_step_saving_does_not(tmp_path):
-    from companion.training.guard import asks_for_batch_hooks
+    from companion.training.callbacks import asks_for_batch_hooks
 
     class Custom(keras.callbacks.ModelCheckpoint):
         def on_train_batch_end(self, batch, logs=None):

@@ -1,4 +1,4 @@
-"""The guard that :func:`companion.training.train` installs in Keras' own ``fit``.
+"""The guarded step that :func:`companion.training.train` installs in Keras' own ``fit``.
 
 ``train`` *is* ``model.fit``: Keras' trainer runs the epochs, the callbacks, the
 validation, ``steps_per_execution``, ``History``. What ``train`` adds is a guarded
@@ -29,28 +29,28 @@ guide's) and decides, after it, whether the step counts.
 
 The step's record (loss, norm, applied or not, loss scale, NaN/Inf counts per variable
 on a skipped step) is written into a small buffer of variables, and the logs are re-read
-so that they never show a skipped step. The buffer is drained by :class:`GuardCallback`
-after every host call (every ``steps_per_execution`` steps), which fills the
-:class:`TrainingHistory` and raises :class:`NonFiniteError`; once the consecutive-skip
+so that they never show a skipped step. The buffer is drained by
+:class:`~companion.training.callbacks.GuardCallback` after every host call (every ``steps_per_execution`` steps), which fills the
+:class:`TrainingHistory` (:mod:`companion.training.records`) and raises
+:class:`NonFiniteError`; once the consecutive-skip
 limit is reached inside a host call, the remaining steps of that call apply nothing and
 are not recorded.
 
 Under a multi-worker strategy the step's logs get a leading axis of length 1 (Keras'
 ``fit`` reduces them with ``strategy.reduce("MEAN", value, axis=0)``, which fails on a
 scalar), and the model's symbolic build takes its example batch from the local
-replica (a repair in :mod:`companion._internal`): the two places where Keras 3's
+replica (a repair in :mod:`companion._internal.keras_trainer`): the two places where Keras 3's
 ``fit`` fails under ``MultiWorkerMirroredStrategy``.
 
-The design is derived in the chapter *A training loop that survives NaN*.
+What the step changes on the model and its optimizers, and how it is put back, is
+listed in :mod:`companion.training.patches`. The design is derived in the chapter *A training loop that survives NaN*.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 import types
-import warnings
 import weakref
 from typing import Any
 
@@ -60,19 +60,14 @@ import tensorflow as tf
 
 from companion import _internal
 from companion._gradients import global_norm, nonfinite_counts, scale_gradient
-from companion.diagnostics import GradientRecord, GradientReport
-from companion.diagnostics.hooks import diagnose_skipped_step
-from companion.training.results import NonFiniteError, SkippedStep, TrainingHistory
+from companion.training.patches import ModelPatches
+from companion.training.records import APPLIED
 
-#: A dynamic loss scale at or below this value no longer amplifies the gradients.
-STALLED_LOSS_SCALE = 1.0
 #: Without XLA, a state (the variables a step may write) of more entries than this is put
 #: back under a conditional, a smaller one by selects (see ``GuardedStep._put_back``): at
 #: about a nanosecond per entry and step, the selects of 2**16 entries cost what the
 #: conditional's trace does over a thousand steps.
 SELECT_LIMIT = 2**16
-#: Columns of a step record.
-_LOSS, _NORM, _APPLIED, _SCALE = range(4)
 
 _ON_READ = dict(
     synchronization=tf.VariableSynchronization.ON_READ,
@@ -171,24 +166,31 @@ class GuardedStep:
 
     # -- installing ----------------------------------------------------------------------
 
-    def install(self) -> None:
-        """Make ``model.fit`` run the guarded step (until :meth:`uninstall`)."""
+    def install(self, patches: ModelPatches) -> None:
+        """Make ``model.fit`` run the guarded step, until ``patches.restore()``."""
         model = self.model
         # Not converted by AutoGraph, as Keras' own step functions are not: under a
         # strategy, strategy.run would otherwise try to convert these and warn that it
         # cannot (the model's own train_step runs as fit runs it either way).
-        model.train_step = types.MethodType(
-            tf.autograph.experimental.do_not_convert(lambda _model, data: self.train_step(data)), model)
-        self._originals = self._intercept()
+        patches.set(model, "train_step", types.MethodType(
+            tf.autograph.experimental.do_not_convert(lambda _model, data: self.train_step(data)), model))
+        self._intercept(patches)
         if self.multi_worker:
-            model.test_step = types.MethodType(
-                tf.autograph.experimental.do_not_convert(lambda _model, data: self.test_step(data)), model)
-            _internal.repair_symbolic_build_for_multi_worker(model)
+            patches.set(model, "test_step", types.MethodType(
+                tf.autograph.experimental.do_not_convert(lambda _model, data: self.test_step(data)), model))
+            patches.repair_symbolic_build(model)
         # fit builds its train function from model.train_step: the guarded one traced by
-        # an earlier call of train, else a fresh one; the user's is put back afterwards.
-        self._user_functions = (model.train_function, model.test_function)
-        model.train_function = getattr(self, "_train_function", None)
-        model.test_function = getattr(self, "_test_function", None) if self.multi_worker else None
+        # an earlier call of train, else a fresh one; the user's is put back afterwards,
+        # and the guarded one kept for the next call.
+        patches.set_step_functions(
+            model, getattr(self, "_train_function", None),
+            getattr(self, "_test_function", None) if self.multi_worker else None,
+        )
+        patches.before_restore(self._keep_functions)
+
+    def _keep_functions(self) -> None:
+        self._train_function = getattr(self.model, "train_function", None)
+        self._test_function = getattr(self.model, "test_function", None)
 
     @contextlib.contextmanager
     def unguarded_steps(self):
@@ -203,22 +205,10 @@ class GuardedStep:
             for name, value in installed.items():
                 setattr(model, name, value)
 
-    def forget_functions(self) -> None:
+    def forget_functions(self, patches: ModelPatches) -> None:
         """Trace afresh at the next install (e.g. after ``jit_compile`` changed)."""
         self._train_function = self._test_function = None
-        self.model.train_function = self.model.test_function = None
-
-    def uninstall(self) -> None:
-        model = self.model
-        if getattr(self, "_originals", None) is not None:
-            self._restore_optimizer(self._originals)
-            self._originals = None
-        for name in ("train_step", "test_step"):
-            if name in vars(model):
-                delattr(model, name)
-        _internal.undo_symbolic_build_repair(model)
-        self._train_function, self._test_function = model.train_function, model.test_function
-        model.train_function, model.test_function = getattr(self, "_user_functions", (None, None))
+        patches.set_step_functions(self.model, None, None)
 
     # -- the step ------------------------------------------------------------------------
 
@@ -441,11 +431,9 @@ class GuardedStep:
 
     # -- the optimizer calls the step makes ----------------------------------------------
 
-    def _intercept(self):
+    def _intercept(self, patches: ModelPatches) -> None:
         optimizer, slot = self.optimizer, self._slot
-        originals = {}
         if optimizer is not None:
-            originals[id(optimizer)] = (optimizer, {name: vars(optimizer).get(name) for name in ("scale_loss", "apply")})
             scale_loss = optimizer.scale_loss
             apply = optimizer.apply
 
@@ -463,14 +451,12 @@ class GuardedStep:
                     return self._noted_apply(optimizer, apply, grads, trainable_variables)
                 return self._apply(apply, list(grads), trainable_variables)
 
-            optimizer.scale_loss = noted_scale_loss
-            optimizer.apply = guarded_apply
+            patches.set(optimizer, "scale_loss", noted_scale_loss)
+            patches.set(optimizer, "apply", guarded_apply)
         for other in self.optimizers:
             if other is optimizer:
                 continue
-            originals[id(other)] = (other, {"apply": vars(other).get("apply")})
-            other.apply = self._noting(other, other.apply)
-        return originals
+            patches.set(other, "apply", self._noting(other, other.apply))
 
     def _noting(self, optimizer, apply):
         slot = self._slot
@@ -501,14 +487,6 @@ class GuardedStep:
                 slot.grads[id(v)] = g
         slot.norms.append(global_norm(grads))
         return apply(grads, trainable_variables)
-
-    def _restore_optimizer(self, originals) -> None:
-        for optimizer, names in originals.values():
-            for name, value in names.items():
-                if value is None:
-                    vars(optimizer).pop(name, None)
-                else:
-                    setattr(optimizer, name, value)
 
     def _apply(self, apply, grads, trainable_variables):
         slot = self._slot
@@ -629,7 +607,7 @@ class GuardedStep:
         n = min(int(tf.convert_to_tensor(self.written).numpy()), self.capacity)
         records = tf.convert_to_tensor(self.records).numpy()[:n]
         self.written.assign(0)
-        if not self.guard or records[:, _APPLIED].all():
+        if not self.guard or records[:, APPLIED].all():
             return records, None
         return records, tf.convert_to_tensor(self.counts).numpy()[:n]
 
@@ -728,210 +706,8 @@ def _all_finite(values, flatten: bool = False) -> tf.Tensor:
 _CACHE: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
-class DoctorView:
-    """What :func:`companion.diagnostics.hooks.diagnose_skipped_step` reads of a run.
-
-    Args:
-        model: the model being trained.
-        strategy: its distribution strategy.
-        history: the run's :class:`TrainingHistory` (``epoch_steps`` locates the batch).
-        replay: a function returning an epoch's batches in ``fit``'s order (see
-            :func:`companion.training.inputs.replay_batches`) or ``None``; called once,
-            at the first skipped step, as :attr:`distributed`.
-        cluster: the :class:`~companion.training.cluster.Cluster`, or ``None``.
-        verbose: whether the diagnosis is printed.
-        shuffled: whether ``fit`` shuffled the rows of the arrays it was given (the
-            replay then holds the epoch's rows unshuffled, not the step's batch).
-
-    Its ``optimizer`` is the model's (compiled by then): the doctor restores its
-    variables too.
-    """
-
-    def __init__(self, model, strategy, history, replay, cluster=None, *, verbose: bool = False,
-                 shuffled: bool = False) -> None:
-        self.model, self.strategy, self.history, self.cluster = model, strategy, history, cluster
-        self.verbose, self.shuffled = verbose, shuffled
-        self._replay = replay
-
-    @property
-    def optimizer(self):
-        return getattr(self.model, "optimizer", None)
-
-    @functools.cached_property
-    def distributed(self):
-        """An epoch's batches, or ``None`` if the inputs cannot be read again."""
-        return self._replay()
-
-
 def model_cache(model) -> dict:
     try:
         return _CACHE.setdefault(model, {})
     except TypeError:  # not weak-referenceable or unhashable: no cache
         return {}
-
-
-class GuardCallback(keras.callbacks.Callback):
-    """Drains the guard's records after every host call into the :class:`TrainingHistory`.
-
-    Raises :class:`NonFiniteError` (from ``on_train_batch_end``, so out of ``fit``) once
-    ``limit`` consecutive steps were skipped, and warns once when the dynamic loss
-    scale stalls.
-    """
-
-    def __init__(
-        self, step: GuardedStep, history: TrainingHistory, *, on_nonfinite: str, limit: int,
-        doctor: DoctorView | None = None,
-    ) -> None:
-        super().__init__()
-        self.step = step
-        self.doctor = doctor
-        self.training_history = history
-        self.on_nonfinite = on_nonfinite
-        self.limit = limit
-        self.epoch = 0
-        self.epoch_start = 0
-        self.applied_losses: list[float] = []
-        self._last_records: Any = ()
-
-    def on_train_begin(self, logs=None):
-        self.step.reset(self.training_history.trailing_nonfinite())
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-        self.epoch_start = self.training_history.steps
-        self.applied_losses = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.record()
-
-    def record(self) -> None:
-        records, counts = self.step.drain()
-        self._last_records = records
-        history = self.training_history
-        history.xla = bool(self.model.jit_compile)
-        mode = self.step.mode
-        if mode == "conditional":
-            mode = "whole" if history.xla and self.step.replicas == 1 else "graph"
-        history.update = mode
-        for k, row in enumerate(records):
-            index = history.steps
-            loss, norm, applied = float(row[_LOSS]), float(row[_NORM]), row[_APPLIED] > 0.5
-            history.step_loss.append(loss)
-            history.grad_norm.append(norm)
-            scale = float(row[_SCALE]) if self.step.loss_scaler is not None else None
-            if scale is not None:
-                history.loss_scale.append(scale)
-            if applied:
-                self.applied_losses.append(loss)
-                continue
-            history.skipped.append(index)
-            nan_counts, inf_counts = counts[k] if counts is not None else (np.zeros(0), np.zeros(0))
-            variables = self.step.variables
-            records_ = [
-                GradientRecord(
-                    path=str(v.path), shape=tuple(int(d) for d in v.shape), nan_count=int(nan_counts[i]),
-                    inf_count=int(inf_counts[i]), max_abs=None,
-                )
-                for i, v in enumerate(variables)
-                if i < len(nan_counts) and (nan_counts[i] or inf_counts[i])
-            ]
-            history.reports.append(
-                SkippedStep(
-                    step=index, epoch=self.epoch, loss=loss, gradients=GradientReport(records_),
-                    loss_scale=scale, grad_norm=norm,
-                    # The NaN doctor, once per run: on the first skipped step only (on every
-                    # worker: the hook's exchange is a collective every worker must join).
-                    diagnosis=None if history.reports or self.doctor is None else self._diagnose(index),
-                )
-            )
-        self._watch_loss_scale()
-        consecutive = history.trailing_nonfinite()
-        if self.step.guard and consecutive >= self.limit:
-            raise nonfinite_error(history, consecutive, self.limit, self.on_nonfinite, self.step.loss_scaler is not None)
-
-    def _diagnose(self, index):
-        with self.step.unguarded_steps():
-            return diagnose_skipped_step(self.doctor, index)
-
-    def on_epoch_end(self, epoch, logs=None):
-        history = self.training_history
-        history.epoch_steps.append(history.steps - self.epoch_start)
-        history.epoch_loss.append(float(np.mean(self.applied_losses)) if self.applied_losses else float("nan"))
-
-    def _watch_loss_scale(self) -> None:
-        history = self.training_history
-        scaler = self.step.loss_scaler
-        if scaler is None or not scaler.built or history.loss_scale_stalled or not history.loss_scale:
-            return
-        # The scale each step used is recorded, so the first step after which it had
-        # fallen is found even when a host call ran several steps.
-        scales = history.loss_scale
-        start = max(1, len(scales) - len(self._last_records))
-        fallen = next((j for j in range(start, len(scales)) if scales[j] <= STALLED_LOSS_SCALE), None)
-        if fallen is not None:
-            current, step = scales[fallen], fallen - 1
-        else:
-            current, step = float(tf.convert_to_tensor(scaler.dynamic_scale).numpy()), history.steps - 1
-        if current <= STALLED_LOSS_SCALE:
-            history.loss_scale_stalled = True
-            warnings.warn(
-                f"the dynamic loss scale fell to {current:g} by step {step}: the gradients are "
-                "non-finite even without float16 overflow, so loss scaling cannot fix them (and small "
-                "gradients now underflow). Look for the NaN with companion.diagnostics.locate_nonfinite.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-
-
-def nonfinite_error(history, consecutive, limit, on_nonfinite, loss_scaled) -> NonFiniteError:
-    """The :class:`NonFiniteError` for the last ``consecutive`` skipped steps."""
-    reports = tuple(history.reports[-consecutive:])
-    last = reports[-1]
-    if on_nonfinite == "raise":
-        head = f"non-finite loss or gradients at step {last.step} (epoch {last.epoch}) with on_nonfinite='raise'"
-    else:
-        head = (
-            f"{consecutive} consecutive steps with non-finite loss or gradients "
-            f"(max_consecutive_nonfinite={limit}), the last at step {last.step} (epoch {last.epoch})"
-        )
-    if last.gradients:
-        variables = ", ".join(f"{r.path} ({r.nan_count} NaN, {r.inf_count} Inf)" for r in last.gradients)
-        detail = f"loss {last.loss:.6g}; non-finite gradients in {variables}"
-    else:
-        detail = f"loss {last.loss:.6g}; {last.cause()}"
-    if loss_scaled and reports[0].loss_scale is not None:
-        detail += f"; loss scale {reports[0].loss_scale:g} -> {last.loss_scale:g}"
-    good = reports[0].step - 1
-    state = f"after step {good}" if good >= 0 else "at the start of training"
-    return NonFiniteError(
-        f"{head}: {detail}. No update was applied on these steps: the weights and optimizer state are those {state}.",
-        step=last.step,
-        epoch=last.epoch,
-        reports=reports,
-        history=history,
-    )
-
-
-#: Keras' callbacks whose own batch hooks do nothing when they save once per epoch.
-_EPOCH_SAVERS = (keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore)
-
-
-def asks_for_batch_hooks(callbacks) -> bool:
-    """Whether any of ``callbacks`` overrides a batch hook of training (as Keras tells).
-
-    ``ModelCheckpoint`` and ``BackupAndRestore`` with ``save_freq="epoch"`` do not: their
-    ``on_train_batch_end`` returns at once then (unless a subclass overrides it).
-    """
-    hooks = ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end")
-    for callback in callbacks:
-        if isinstance(callback, (keras.callbacks.History, keras.callbacks.ProgbarLogger)):
-            continue
-        overridden = [name for name in hooks if not _internal.is_default_callback_method(callback, name)]
-        if isinstance(callback, _EPOCH_SAVERS) and getattr(callback, "save_freq", None) == "epoch":
-            keras_own = next(c for c in _EPOCH_SAVERS if isinstance(callback, c))
-            overridden = [
-                name for name in overridden if getattr(type(callback), name) is not getattr(keras_own, name)
-            ]
-        if overridden:
-            return True
-    return False
