@@ -26,6 +26,8 @@ import warnings
 import pytest
 
 import companion.launch as launch_module
+import companion.launch.network as launch_network
+import companion.launch.supervisor as launch_supervisor
 from companion.launch import (
     NetworkIsolationError,
     cluster_spec,
@@ -318,10 +320,10 @@ def no_namespaces(monkeypatch):
     """This machine as one without user namespaces: the one hook that makes namespaces fails."""
 
     def unavailable():
-        raise launch_module._Unavailable("simulated: the kernel refused a new user namespace")
+        raise launch_network._Unavailable("simulated: the kernel refused a new user namespace")
 
-    monkeypatch.setattr(launch_module, "_create_namespace", unavailable)
-    monkeypatch.setattr(launch_module, "_exposure_warned", False)
+    monkeypatch.setattr(launch_network, "_create_namespace", unavailable)
+    monkeypatch.setattr(launch_network, "_exposure_warned", False)
 
 
 def test_without_isolation_the_launch_refuses_to_start(no_namespaces, tmp_path):
@@ -389,8 +391,8 @@ def test_the_chapters_worker_script_ships_with_the_package():
     for needed in ("MultiWorkerMirroredStrategy()", 'mode == "crash"', "WorkerLostError",
                    'on_nonfinite="raise"', "model.fit("):
         assert needed in text, needed
-    # [tool.setuptools.package-data] companion = [...] (no tomllib on Python 3.10)
-    declared = re.search(r"^companion = \[(.*?)\]", (ROOT / "pyproject.toml").read_text(), re.M)
+    # [tool.setuptools.package-data] "companion.book" = [...] (no tomllib on Python 3.10)
+    declared = re.search(r'^"companion.book" = \[(.*?)\]', (ROOT / "pyproject.toml").read_text(), re.M)
     patterns = re.findall(r'"([^"]+)"', declared.group(1))
     assert any(fnmatch.fnmatch("data/multiworker_train.py", p) for p in patterns), patterns
     cells = json.loads(CHAPTER.read_text(encoding="utf-8"))["cells"]
@@ -511,7 +513,7 @@ def test_a_worker_killed_by_a_signal_is_reported_with_the_signal(script):
 
 
 def test_a_worker_that_ignores_sigterm_is_killed(script, monkeypatch):
-    monkeypatch.setattr(launch_module, "_TERMINATE_SECONDS", 0.5)
+    monkeypatch.setattr(launch_supervisor, "_TERMINATE_SECONDS", 0.5)
     result = launch(script, 2, ["stubborn"], timeout=30, grace=0.2)
     assert result.returncodes == [-signal.SIGKILL, 4] and result.workers[0].stopped
     assert result.failure.startswith("worker 1 failed first: exit code 4")

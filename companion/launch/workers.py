@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import signal
 import socket
 from typing import Mapping, Sequence
