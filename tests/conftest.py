@@ -16,8 +16,12 @@ import time
 
 import pytest
 
-# The tests' shared modules (training_data) import by name, also under --import-mode=importlib.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+# The tests' shared modules (training_data) and the test modules another one imports
+# (test_doctor_reports, test_training_custom_steps, test_browser, test_translations) import
+# by name, also under --import-mode=importlib (which puts no test folder on sys.path).
+_TESTS = pathlib.Path(__file__).resolve().parent
+for _folder in ("book", "unit", ""):
+    sys.path.insert(0, str(_TESTS / _folder))
 
 import book_tools  # noqa: E402
 
