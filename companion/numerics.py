@@ -101,6 +101,77 @@ def _sum_to_shape(gradient: tf.Tensor, shape: tf.Tensor, other_shape: tf.Tensor)
     return tf.reshape(tf.reduce_sum(gradient, axis=axes), shape)
 
 
+# safe_pow and signed_pow, in detail (safe_pow's docstring is the summary).
+#
+# **Why the naive form fails.** `tf.pow(x, p)` has the right value at 0, but its
+# gradient with respect to the base, ``p * 0^(p-1)``, is ``+inf`` for ``0 < p < 1``.
+# The chain rule multiplies it by the derivative of whatever produced the base: in
+# ``(a * x) ** p`` that is ``x`` for ``a``, which is 0 at ``x = 0``, and ``0 * inf``
+# is NaN, while the loss stays finite. (TensorFlow 2.21 masks the exponent side,
+# ``x^p log x = 0 * -inf``, but not the base side.) For ``x < 0`` and a non-integer
+# ``p``, `tf.pow` returns NaN value and gradients, and ``tf.where(x > 0, tf.pow(x, p), 0)``
+# does not help: the unused branch still sends its NaN into the gradient (the
+# ``tf.where`` trap, see `double_where`).
+#
+# **What is computed instead.** A double where (the base is replaced by 1 wherever it
+# is not a positive normal number, so `tf.pow` never sees 0 or a negative number) and a
+# `tf.custom_gradient` that returns the derivatives above, clamped to the finite range.
+#
+# **The gradient at 0.** For ``x < 0`` the function is the constant 0, so both
+# derivatives are 0. At ``x = 0`` itself ``d/dx`` is taken to be 0, the derivative from
+# the left, as `tf.nn.relu` does at 0 (``safe_pow(x, 1)`` is relu). For ``p > 1`` that
+# is the true derivative; for ``p = 1`` it is one of the two one-sided ones; for
+# ``p < 1`` the derivative from the right is ``+inf`` and any finite value is a
+# convention. 0 is chosen over the largest finite number because:
+#
+# - a gradient of about 3.4e38 (float32) is not usable: multiplied by any weight
+#   larger than 1 it overflows to inf, and Adam squares it into its second moment,
+#   which becomes inf: the step leaves the weight unchanged and the next one makes it
+#   NaN (``inf - inf`` in the moment update), so the NaN only moves one op on;
+# - in the chain ``x -> a x -> (a x)^p`` the gradient with respect to ``a`` at
+#   ``x = 0`` is ``x * f'(0) = 0`` for any finite ``f'(0)``, and 0 is also its true
+#   limit, ``lim x * p (a x)^(p-1) = p a^(p-1) x^p -> 0``. The convention only shows
+#   where the base is shifted, ``(x + s)^p``, whose true gradient is infinite anyway;
+# - just right of 0 the derivative keeps its large true value (``p x^(p-1) <= 1/x``
+#   for ``p <= 1, x <= 1``, finite for every normal ``x``): the steepness is not
+#   hidden, only the single point where it is infinite.
+#
+# **Thresholds from the dtype.** "``x > 0``" is ``x >= finfo.tiny``, the smallest
+# normal number of the dtype the power is computed in (float32 for float16 and
+# bfloat16 inputs): TensorFlow's CPU kernels flush subnormal numbers to zero, and this
+# makes a subnormal ``x`` count as 0 on every device.
+#
+# **The gradient's products.** What the custom gradient returns is the upstream
+# gradient ``g`` times a derivative, ``g p x^(p-1)`` and ``g x^p log(x)``, and that
+# product is what must not overflow where it is representable. Neither derivative
+# formula is safe alone: ``p * (x^p / x)`` overflows with ``x^p`` (``x > 1.8e19`` for
+# ``p = 2`` in float32) although ``p x^(p-1)`` is still finite, and
+# ``p * exp((p - 1) log x)`` is exact to only ``|(p - 1) log x| * eps``. And a
+# derivative beyond the float range (``3 x^2 = 3e40`` at ``x = 1e20``) can meet a small
+# ``g`` (``1e-10``: product ``3e30``). So each product is formed from the value,
+# ``g * (p * (x^p / x))`` and ``g * (x^p * log x)``, where the derivative is a finite
+# normal number, and otherwise in log space,
+# ``exp(log|g| + log p + (p - 1) log x)`` and ``exp(log|g| + p log x + log|log x|)``
+# (with signs), whose exponent cannot overflow. A product beyond the float range is
+# clamped to ``[-finfo.max, finfo.max]`` (for a finite ``g``; an infinite or NaN ``g``
+# passes through), so the gradients are finite for every finite ``x`` and ``g``. What
+# happens after the custom gradient is TensorFlow's: in ``d/da (a x)^p`` the product
+# with ``x`` (``p (a x)^(p-1) * x``) and the sum over the elements of ``x`` overflow
+# where their true value does (five terms of 6.8e37 sum to inf in float32), and where
+# ``p (a x)^(p-1)`` itself is beyond the float range but ``x < 1`` brings the product
+# back into it, the clamped derivative makes that product too small (no value the
+# power could return would be right there).
+#
+# **Accuracy.** The value is `tf.pow`'s own for ``x >= tiny`` (in float32 within
+# 2e-6 relative error of the exact value wherever that is a normal number). The
+# gradients are within a few ulp where they are formed from the value. In log space
+# the rounding of the exponent, about ``(|log g| + |(p - 1) log x|) * eps`` relative
+# (1e-5 in float32), is avoided by doing that path in float64, rounded once to the
+# dtype (tested within 1e-5 against a float64 reference for upstream gradients from
+# 2^-126 to 2^127; the float64 path of float64 inputs keeps about 2e-14). float16 and
+# bfloat16 inputs are computed in float32 and cast back.
+
+
 def _power_float(x: tf.Tensor, p: tf.Tensor, *, signed: bool, limit: float) -> tf.Tensor:
     """`safe_pow` (``signed=False``) or `signed_pow` (``signed=True``) in float32/float64.
 
@@ -207,73 +278,13 @@ def safe_pow(x, p, name: str | None = None) -> tf.Tensor:
         d/dx           = p x^(p-1) for x > 0,      0 for x <= 0
         d/dp           = x^p log(x) for x > 0,     0 for x <= 0
 
-    **Why the naive form fails.** `tf.pow(x, p)` has the right value at 0, but its
-    gradient with respect to the base, ``p * 0^(p-1)``, is ``+inf`` for ``0 < p < 1``.
-    The chain rule multiplies it by the derivative of whatever produced the base: in
-    ``(a * x) ** p`` that is ``x`` for ``a``, which is 0 at ``x = 0``, and ``0 * inf``
-    is NaN, while the loss stays finite. (TensorFlow 2.21 masks the exponent side,
-    ``x^p log x = 0 * -inf``, but not the base side.) For ``x < 0`` and a non-integer
-    ``p``, `tf.pow` returns NaN value and gradients, and ``tf.where(x > 0, tf.pow(x, p), 0)``
-    does not help: the unused branch still sends its NaN into the gradient (the
-    ``tf.where`` trap, see `double_where`).
-
-    **What is computed instead.** A double where (the base is replaced by 1 wherever it
-    is not a positive normal number, so `tf.pow` never sees 0 or a negative number) and a
-    `tf.custom_gradient` that returns the derivatives above, clamped to the finite range.
-
-    **The gradient at 0.** For ``x < 0`` the function is the constant 0, so both
-    derivatives are 0. At ``x = 0`` itself ``d/dx`` is taken to be 0, the derivative from
-    the left, as `tf.nn.relu` does at 0 (``safe_pow(x, 1)`` is relu). For ``p > 1`` that
-    is the true derivative; for ``p = 1`` it is one of the two one-sided ones; for
-    ``p < 1`` the derivative from the right is ``+inf`` and any finite value is a
-    convention. 0 is chosen over the largest finite number because:
-
-    - a gradient of about 3.4e38 (float32) is not usable: multiplied by any weight
-      larger than 1 it overflows to inf, and Adam squares it into its second moment,
-      which becomes inf: the step leaves the weight unchanged and the next one makes it
-      NaN (``inf - inf`` in the moment update), so the NaN only moves one op on;
-    - in the chain ``x -> a x -> (a x)^p`` the gradient with respect to ``a`` at
-      ``x = 0`` is ``x * f'(0) = 0`` for any finite ``f'(0)``, and 0 is also its true
-      limit, ``lim x * p (a x)^(p-1) = p a^(p-1) x^p -> 0``. The convention only shows
-      where the base is shifted, ``(x + s)^p``, whose true gradient is infinite anyway;
-    - just right of 0 the derivative keeps its large true value (``p x^(p-1) <= 1/x``
-      for ``p <= 1, x <= 1``, finite for every normal ``x``): the steepness is not
-      hidden, only the single point where it is infinite.
-
-    **Thresholds from the dtype.** "``x > 0``" is ``x >= finfo.tiny``, the smallest
-    normal number of the dtype the power is computed in (float32 for float16 and
-    bfloat16 inputs): TensorFlow's CPU kernels flush subnormal numbers to zero, and this
-    makes a subnormal ``x`` count as 0 on every device.
-
-    **The gradient's products.** What the custom gradient returns is the upstream
-    gradient ``g`` times a derivative, ``g p x^(p-1)`` and ``g x^p log(x)``, and that
-    product is what must not overflow where it is representable. Neither derivative
-    formula is safe alone: ``p * (x^p / x)`` overflows with ``x^p`` (``x > 1.8e19`` for
-    ``p = 2`` in float32) although ``p x^(p-1)`` is still finite, and
-    ``p * exp((p - 1) log x)`` is exact to only ``|(p - 1) log x| * eps``. And a
-    derivative beyond the float range (``3 x^2 = 3e40`` at ``x = 1e20``) can meet a small
-    ``g`` (``1e-10``: product ``3e30``). So each product is formed from the value,
-    ``g * (p * (x^p / x))`` and ``g * (x^p * log x)``, where the derivative is a finite
-    normal number, and otherwise in log space,
-    ``exp(log|g| + log p + (p - 1) log x)`` and ``exp(log|g| + p log x + log|log x|)``
-    (with signs), whose exponent cannot overflow. A product beyond the float range is
-    clamped to ``[-finfo.max, finfo.max]`` (for a finite ``g``; an infinite or NaN ``g``
-    passes through), so the gradients are finite for every finite ``x`` and ``g``. What
-    happens after the custom gradient is TensorFlow's: in ``d/da (a x)^p`` the product
-    with ``x`` (``p (a x)^(p-1) * x``) and the sum over the elements of ``x`` overflow
-    where their true value does (five terms of 6.8e37 sum to inf in float32), and where
-    ``p (a x)^(p-1)`` itself is beyond the float range but ``x < 1`` brings the product
-    back into it, the clamped derivative makes that product too small (no value the
-    power could return would be right there).
-
-    **Accuracy.** The value is `tf.pow`'s own for ``x >= tiny`` (in float32 within
-    2e-6 relative error of the exact value wherever that is a normal number). The
-    gradients are within a few ulp where they are formed from the value. In log space
-    the rounding of the exponent, about ``(|log g| + |(p - 1) log x|) * eps`` relative
-    (1e-5 in float32), is avoided by doing that path in float64, rounded once to the
-    dtype (tested within 1e-5 against a float64 reference for upstream gradients from
-    2^-126 to 2^127; the float64 path of float64 inputs keeps about 2e-14). float16 and
-    bfloat16 inputs are computed in float32 and cast back.
+    `tf.pow(x, p)` has an infinite gradient with respect to the base at 0 for
+    ``0 < p < 1`` (NaN once the chain rule multiplies it by 0) and NaN values and
+    gradients for a negative base; `safe_pow` computes the power through a double where
+    and a custom gradient, takes ``d/dx = 0`` at ``x = 0`` (as `tf.nn.relu` does), counts
+    subnormal bases as 0, and keeps both gradients finite for every finite ``x`` and
+    upstream gradient. The chapter *The log-exp power* (``book/case_a/log_exp_power``) derives
+    it; the comments above ``_power_float`` give the conventions and the accuracy.
 
     Args:
         x: floating-point tensor (float16, bfloat16, float32 or float64).

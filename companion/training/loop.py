@@ -41,6 +41,58 @@ MIN_STEPS_FOR_LOOP = 32
 MIN_STEPS_FOR_LOOP_PER_VARIABLE = 4
 
 
+# What train adds to fit, in detail (the reference behind the chapter and the differences
+# page; train's docstring is the summary):
+#
+# * Each step is the model's own ``train_step`` (Keras', or an override that applies
+#   any number of optimizers, assigns variables, updates metrics: a GAN, a VAE).
+#   The step is *skipped* on every replica and worker when its loss, the gradients
+#   of any optimizer (summed over the replicas; a global norm that overflows
+#   float32, above ~1.8e19, counts), a value it logs, or anything it wrote (the
+#   weights, the optimizers' state, non-trainable variables, the metrics; on one
+#   replica) is not finite. A skipped step changes nothing: every variable of the
+#   model and of its optimizers keeps its exact previous value, so no log ever shows
+#   it (``keras.callbacks.TerminateOnNaN`` does not fire under the guard); only the
+#   random state moves on, so a skipped random draw is not drawn again.
+# * Skipped steps are reported in the returned :class:`TrainingHistory` (``skipped``,
+#   ``reports``), never as a log key: the logs, the ``History`` and ``CSVLogger``'s
+#   columns have exactly ``fit``'s keys.
+# * Callbacks run as ``fit`` runs them, batch hooks every ``steps_per_execution``
+#   steps. When neither ``compile`` nor ``train`` was given ``steps_per_execution``,
+#   no callback overrides a batch hook and the call runs at least 32 steps, and 4 per
+#   trainable variable (epochs times steps per epoch), ``train`` runs up to a
+#   whole epoch (at most 1024 steps) per host call, as ``fit`` with that
+#   ``steps_per_execution`` would; the progress bar is then updated after each host
+#   call. A shorter call runs one step per host call, as ``fit`` does: Keras'
+#   multi-step loop would cost it more to trace than it saves.
+# * ``MultiWorkerMirroredStrategy``: Keras 3's ``fit`` fails under it; ``train`` repairs
+#   the two places (the example batch of the symbolic build, the reduction of the
+#   logs). Every worker calls ``train`` with the same arguments (see
+#   :mod:`companion.launch`); each worker's TensorFlow server listens on every
+#   interface of its machine, without authentication, and runs the graphs it is
+#   sent: TensorFlow's SECURITY.md requires the cluster's network to be isolated
+#   (:func:`companion.launch.launch` runs local workers in a private, loopback-only
+#   network namespace). A lost peer raises :class:`WorkerLostError` on every survivor
+#   (see ``on_worker_loss``).
+# * Checkpoints: with ``checkpoint_dir``, the model, the optimizer, the number of
+#   completed epochs and the history are saved at every epoch end (the last two are
+#   kept); calling ``train`` again with the same directory resumes after the last
+#   completed epoch and ends bit-identical to an uninterrupted run on CPU, provided
+#   each epoch yields the same batches. ``keras.callbacks.BackupAndRestore`` works as
+#   with ``fit``.
+# * XLA: ``jit_compile="auto"`` by default, as ``compile``'s: XLA where a GPU or TPU
+#   is present, not on a CPU alone, where compiling the step costs more than it saves
+#   on a run of up to ten epochs (``benchmarks/cold_start.py``). With
+#   ``jit_compile=True``, a step XLA cannot compile (an op without an XLA kernel, such
+#   as ``tf.py_function``) runs without XLA and a warning says so. Under several replicas (``MirroredStrategy``,
+#   several workers) the step runs without XLA: Keras' XLA step there reads variables
+#   of other devices, which XLA refuses (``fit`` fails with ``InvalidArgumentError``).
+# * Mixed precision: ``compile`` wraps the optimizer of a ``mixed_float16`` model in a
+#   :class:`keras.optimizers.LossScaleOptimizer`; an overflowing step is skipped and
+#   halves the loss scale. If the scale falls to 1, ``history.loss_scale_stalled`` is
+#   set and a warning says the NaNs are not float16 overflow.
+
+
 def train(
     model: keras.Model,
     x: Any = None,
@@ -81,60 +133,18 @@ def train(
     ``train`` *is* ``fit``: it runs Keras' own ``model.fit`` with every argument ``fit``
     takes (``x`` ... ``validation_freq``, same names, same meaning), after compiling the
     model with ``compile``'s arguments when any is given (``loss`` ... ``auto_scale_loss``;
-    a model compiled by the user is trained as compiled). What ``train`` adds is a
-    guarded training step, installed for the call:
+    a model compiled by the user is trained as compiled), and with a guarded step
+    installed for the call: the model's own ``train_step`` (Keras', or an override such
+    as a GAN's or a VAE's), skipped on every replica and worker when its loss, its
+    gradients, a value it logs or anything it wrote is not finite. A skipped step changes
+    nothing and is reported in the returned history, never in the logs. It runs under
+    any ``tf.distribute`` strategy (``MultiWorkerMirroredStrategy`` included), with XLA,
+    mixed precision and epoch-end checkpoints.
 
-    * Each step is the model's own ``train_step`` (Keras', or an override that applies
-      any number of optimizers, assigns variables, updates metrics: a GAN, a VAE).
-      The step is *skipped* on every replica and worker when its loss, the gradients
-      of any optimizer (summed over the replicas; a global norm that overflows
-      float32, above ~1.8e19, counts), a value it logs, or anything it wrote (the
-      weights, the optimizers' state, non-trainable variables, the metrics; on one
-      replica) is not finite. A skipped step changes nothing: every variable of the
-      model and of its optimizers keeps its exact previous value, so no log ever shows
-      it (``keras.callbacks.TerminateOnNaN`` does not fire under the guard); only the
-      random state moves on, so a skipped random draw is not drawn again.
-    * Skipped steps are reported in the returned :class:`TrainingHistory` (``skipped``,
-      ``reports``), never as a log key: the logs, the ``History`` and ``CSVLogger``'s
-      columns have exactly ``fit``'s keys.
-    * Callbacks run as ``fit`` runs them, batch hooks every ``steps_per_execution``
-      steps. When neither ``compile`` nor ``train`` was given ``steps_per_execution``,
-      no callback overrides a batch hook and the call runs at least 32 steps, and 4 per
-      trainable variable (epochs times steps per epoch), ``train`` runs up to a
-      whole epoch (at most 1024 steps) per host call, as ``fit`` with that
-      ``steps_per_execution`` would; the progress bar is then updated after each host
-      call. A shorter call runs one step per host call, as ``fit`` does: Keras'
-      multi-step loop would cost it more to trace than it saves.
-    * ``MultiWorkerMirroredStrategy``: Keras 3's ``fit`` fails under it; ``train`` repairs
-      the two places (the example batch of the symbolic build, the reduction of the
-      logs). Every worker calls ``train`` with the same arguments (see
-      :mod:`companion.launch`); each worker's TensorFlow server listens on every
-      interface of its machine, without authentication, and runs the graphs it is
-      sent: TensorFlow's SECURITY.md requires the cluster's network to be isolated
-      (:func:`companion.launch.launch` runs local workers in a private, loopback-only
-      network namespace). A lost peer raises :class:`WorkerLostError` on every survivor
-      (see ``on_worker_loss``).
-    * Checkpoints: with ``checkpoint_dir``, the model, the optimizer, the number of
-      completed epochs and the history are saved at every epoch end (the last two are
-      kept); calling ``train`` again with the same directory resumes after the last
-      completed epoch and ends bit-identical to an uninterrupted run on CPU, provided
-      each epoch yields the same batches. ``keras.callbacks.BackupAndRestore`` works as
-      with ``fit``.
-    * XLA: ``jit_compile="auto"`` by default, as ``compile``'s: XLA where a GPU or TPU
-      is present, not on a CPU alone, where compiling the step costs more than it saves
-      on a run of up to ten epochs (``benchmarks/cold_start.py``). With
-      ``jit_compile=True``, a step XLA cannot compile (an op without an XLA kernel, such
-      as ``tf.py_function``) runs without XLA and a warning says so. Under several replicas (``MirroredStrategy``,
-      several workers) the step runs without XLA: Keras' XLA step there reads variables
-      of other devices, which XLA refuses (``fit`` fails with ``InvalidArgumentError``).
-    * Mixed precision: ``compile`` wraps the optimizer of a ``mixed_float16`` model in a
-      :class:`keras.optimizers.LossScaleOptimizer`; an overflowing step is skipped and
-      halves the loss scale. If the scale falls to 1, ``history.loss_scale_stalled`` is
-      set and a warning says the NaNs are not float16 overflow.
-
-    The differences from ``fit`` that remain are listed, with their reasons, in the book's
-    reference page *Differences from fit*; the design and its cost are in the chapter
-    *A training loop that survives NaN*, several machines in *Training across machines*.
+    See the chapter *A training loop that survives NaN* (``book/tools/training_loop``) for
+    the design and its cost, *Training across machines*
+    (``book/tools/training_across_machines``) for several workers, and the reference page
+    *Differences from fit* (``book/reference/differences_from_fit``) for what still differs.
 
     Args:
         model: a Keras model (or a layer with Keras' ``Trainer`` mixed in).
