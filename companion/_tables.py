@@ -1,6 +1,6 @@
 """HTML tables in one style: the book's, the doctor's and the diagnostics' reports.
 
-:func:`html_table` renders rows as an HTML table with inline styles (:data:`TABLE_STYLE`), so
+:func:`html_table` renders rows as an HTML table with inline styles (``TABLE_STYLE``), so
 Jupyter, Colab and the built book show it the same way: rules, padding, numbers
 right-aligned in tabular figures, long headers wrapped. Library code (``companion.diagnostics``)
 renders its reports with it; the book's chapters take it from :mod:`companion.book.notebook`.
@@ -212,10 +212,10 @@ def html_table(
     (``nan`` and ``inf`` as Python prints them), booleans and integers as Python prints
     them, ``None`` as an empty cell, anything else with ``str``; NumPy and TensorFlow
     scalars count as the Python number they hold. Every table has the book's one style
-    (:data:`TABLE_STYLE`, inline, so Jupyter and Colab show it too): padding and rules
+    (``TABLE_STYLE``, inline, so Jupyter and Colab show it too): padding and rules
     between cells, numbers right-aligned in tabular figures, long column names broken
     into a few balanced lines, shorter ones the more columns there are
-    (:data:`HEADER_WIDTH`).
+    (``HEADER_WIDTH``).
 
     Args:
         rows: a sequence of rows, each a sequence of cells, all of the same length.

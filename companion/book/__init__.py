@@ -5,19 +5,20 @@ chapters (and the tests and benchmarks that check them), and change with the boo
 library (:mod:`companion.numerics`, :mod:`companion.training`, :mod:`companion.diagnostics`,
 ...) never imports them; ``tests/unit/test_book_package.py`` enforces it.
 
-Submodules:
-    notebook: one-call set-up of a chapter (seeds, determinism, quiet logs, plot style)
-        and the book's tables (``html_table``).
-    models: :class:`companion.book.models.ParameterNet`, case A's model with switchable fixes.
-    targets: the families of target functions g(x) that ParameterNet fits.
-    reproductions: the seeds' failing code, faithfully, so chapters and tests can show it.
-    runs: short instrumented training runs (first non-finite step, learning-rate sweeps).
-    survey: the survey of public NaN reports behind the checklist chapter.
-    cases: the checklist's cases, one naive computation and its fix per row.
-    reports: public NaN reports rebuilt as runnable models, for the doctor's chapter.
-    accuracy: errors in ulp against an mpmath reference (needs mpmath).
-    benchmark_results: the measured cost of the fixes, as the performance chapter shows it.
-    data: package data: the survey's CSV and the multi-worker chapter's worker script.
+Its modules:
+
+* ``notebook``: one-call set-up of a chapter (seeds, determinism, quiet logs, plot style)
+  and the book's tables (``html_table``);
+* ``models``: ``ParameterNet``, case A's model with switchable fixes;
+* ``targets``: the families of target functions g(x) that ParameterNet fits;
+* ``reproductions``: the seeds' failing code, faithfully, so chapters and tests can show it;
+* ``runs``: short instrumented training runs (first non-finite step, learning-rate sweeps);
+* ``survey``: the survey of public NaN reports behind the checklist chapter;
+* ``cases``: the checklist's cases, one naive computation and its fix per row;
+* ``reports``: public NaN reports rebuilt as runnable models, for the doctor's chapter;
+* ``accuracy``: errors in ulp against an mpmath reference (needs mpmath);
+* ``benchmark_results``: the measured cost of the fixes, as the performance chapter shows it;
+* ``data``: package data: the survey's CSV and the multi-worker chapter's worker script.
 """
 
 from __future__ import annotations

@@ -45,11 +45,10 @@ One machine has one set of devices: on a machine with a GPU, give each worker it
 (``CUDA_VISIBLE_DEVICES``) or none (``CUDA_VISIBLE_DEVICES=""``), or the workers compete
 for the same memory.
 
-The package: :mod:`~companion.launch.supervisor` (:func:`launch`),
-:mod:`~companion.launch.network` (:func:`network_isolation`, and the check before a launch)
-beside :mod:`~companion.launch._netns` (the namespaces themselves),
-:mod:`~companion.launch.workers` (the cluster's addresses, ``TF_CONFIG`` and the results)
-and :mod:`~companion.launch.cli` (``python -m companion.launch``).
+The package: ``supervisor.py`` (:func:`launch`), ``network.py`` (:func:`network_isolation`,
+and the check before a launch) beside ``_netns.py`` (the namespaces themselves),
+``workers.py`` (the cluster's addresses, ``TF_CONFIG`` and the results) and ``cli.py``
+(``python -m companion.launch``).
 
 Derived in the chapter *Training across machines* (``book/tools/training_across_machines``).
 """

@@ -68,7 +68,7 @@ def launch(
     namespace whose only interface is the loopback ``lo`` (Linux; a new unprivileged user
     namespace makes it possible without root): they reach each other, nothing outside the
     job reaches them, and they reach nothing else. Where that is impossible,
-    :class:`network.NetworkIsolationError` is raised, unless ``allow_network_exposure=True``:
+    :class:`~companion.launch.NetworkIsolationError` is raised, unless ``allow_network_exposure=True``:
     then the workers run on this machine's network, after a warning (once per process).
 
     Supervision: the call returns when every worker has exited. When one exits with a
