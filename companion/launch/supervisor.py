@@ -112,7 +112,7 @@ def launch(
         TypeError: if ``workers`` or ``max_restarts`` is not an int, or ``args`` is a
             string.
         FileNotFoundError: if ``script`` does not exist.
-        network.NetworkIsolationError: if ``isolate`` and no private network can be made here,
+        NetworkIsolationError: if ``isolate`` and no private network can be made here,
             without ``allow_network_exposure=True``.
 
     Example:
