@@ -19,8 +19,8 @@ import threading
 
 from companion._tables import HEADER_WIDTH, TABLE_STYLE, Table, html_table
 
-__all__ = ["BOOK_COLORS", "BOOK_STYLE", "HEADER_WIDTH", "PERTURB_ULP_ENV", "TABLE_STYLE", "Table", "html_table",
-           "setup"]
+# (HEADER_WIDTH and TABLE_STYLE, the tables' settings, are companion._tables'; importable here too.)
+__all__ = ["BOOK_COLORS", "BOOK_STYLE", "PERTURB_ULP_ENV", "Table", "html_table", "setup"]
 
 #: The environment variable that turns on :func:`setup`'s ``perturb_ulp`` ("1" on, "0" or
 #: unset off): ``COMPANION_PERTURB_ULP=1 python -m pytest book`` re-runs every chapter

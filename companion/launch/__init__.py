@@ -64,7 +64,6 @@ __all__ = [
     "LaunchResult",
     "NetworkIsolation",
     "NetworkIsolationError",
-    "RESTART_COUNT_VARIABLE",
     "WorkerResult",
     "cluster_spec",
     "free_ports",

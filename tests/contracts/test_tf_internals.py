@@ -550,6 +550,6 @@ def test_a_hook_without_a_canary_or_with_a_missing_one_fails_the_registry_check(
         "companion._internal.fake.private_thing: its canary test_that_does_not_exist does not exist"]
 
 
-def test_internal_api_warnings_are_errors_in_the_test_suite():
-    with pytest.raises(_internal.InternalAPIWarning):
-        warnings.warn("a hook fell back", _internal.InternalAPIWarning)
+def test_internal_api_warnings_are_errors_in_the_test_suite(request):
+    # (the other stacks pass -W default::... on the command line: an older Keras falls back)
+    assert "error::companion._internal.registry.InternalAPIWarning" in request.config.getini("filterwarnings")
