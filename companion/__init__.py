@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from companion._moved import MOVED
 from companion._version import __version__
 
 #: What a user imports, and the book's support package.
@@ -43,18 +44,8 @@ _SUBMODULES = (
     "training",
 )
 
-#: Old names of modules that moved to companion.book (companion._moved.MOVED): they warn.
-_MOVED = (
-    "accuracy",
-    "benchmark_results",
-    "checklist",
-    "models",
-    "notebook",
-    "reports",
-    "reproductions",
-    "runs",
-    "targets",
-)
+#: Old names of modules that moved to companion.book: they warn (companion._moved).
+_MOVED = frozenset(name.removeprefix("companion.") for name in MOVED)
 
 __all__ = ["__version__", *_SUBMODULES]
 

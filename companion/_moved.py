@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-import types
 import warnings
 
 #: Old module name -> new module name(s). ``companion.checklist`` became two modules.
@@ -82,8 +81,3 @@ def alias(old: str) -> None:
             setattr(stub, name, getattr(module, name))
             names.append(name)
     stub.__all__ = sorted(names)
-
-
-def moved_attribute(package: types.ModuleType, name: str):
-    """``companion.<name>`` for an old name: imports (and so warns through) its stub module."""
-    return importlib.import_module(f"{package.__name__}.{name}")

@@ -75,8 +75,9 @@ class ModelPatches:
 
     def set_step_functions(self, model, train_function, test_function) -> None:
         """Put these in the attributes where fit keeps its compiled step functions."""
+        present = _internal.step_function_attributes(model)
         for name, value in zip(_internal.STEP_FUNCTION_ATTRIBUTES, (train_function, test_function)):
-            if name in _internal.step_function_attributes(model):
+            if name in present:
                 self.set(model, name, value)
 
     def repair_symbolic_build(self, model) -> None:
@@ -85,8 +86,9 @@ class ModelPatches:
         self._undo.append(lambda: _internal.undo_symbolic_build_repair(model))
 
     def before_restore(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` first thing in :meth:`restore` (to keep what the call made)."""
-        self._before_restore.append(callback)
+        """Call ``callback`` first thing in :meth:`restore` (to keep what the call made), once."""
+        if callback not in self._before_restore:
+            self._before_restore.append(callback)
 
     def changed(self) -> list[tuple[Any, str]]:
         """The (object, attribute) pairs set so far, in order."""
