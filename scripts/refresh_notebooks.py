@@ -1,119 +1,15 @@
-"""Refresh every chapter: sync its Colab cell, hide its solutions, re-execute it in place, drop stderr.
+"""Re-execute the chapters in place and sync their install cells and the API page's causes table.
 
-    python scripts/refresh_notebooks.py              # every notebook under book/
-    python scripts/refresh_notebooks.py book/x.ipynb # just these
+    python scripts/refresh_notebooks.py --help
 
-Run it after changing `companion` code that a chapter shows (or the doctor's CAUSES: it
-rewrites the API page's table of them), after changing
-`repository.url` in `_config.yml` (it also rewrites the links in README.md and the book's
-pages) or the package version, and commit the result: the test
-suite re-runs every chapter under nbval and fails when the committed outputs are stale.
-Notebooks run with the same environment as the tests (cwd = the notebook's folder,
-TensorFlow's C++ logging quiet), and stderr outputs are dropped: they are machine noise,
-and nbval leaves them out of the comparison too (tests/conftest.py).
+The code, and its usage, is scripts/book_tools/refresh.py.
 """
 
-from __future__ import annotations
-
-import argparse
-import os
 import pathlib
 import sys
-import time
-
-import nbformat
-from nbclient import NotebookClient
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import book_tools  # noqa: E402
-
-KERNEL_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONHASHSEED": "0"}
-# Never in the kernels that make the committed outputs: COMPANION_PERTURB_ULP=1 (the CI
-# check that moves every new variable by one ulp) would commit perturbed outputs.
-KERNEL_ENV_UNSET = ("COMPANION_PERTURB_ULP",)
-
-
-def prepare_kernel_environment() -> None:
-    """The environment the kernels inherit: the tests' settings, and no ulp perturbation."""
-    os.environ.update(KERNEL_ENV)
-    for name in KERNEL_ENV_UNSET:
-        if os.environ.pop(name, None) is not None:
-            print(f"{name} is unset for the refresh: committed outputs are made unperturbed", flush=True)
-
-
-def sync_colab_cell(nb) -> bool:
-    """Make the first code cell the canonical Colab cell; return whether it changed."""
-    source = book_tools.colab_cell_source()
-    cell = book_tools.first_code_cell(nb)
-    if book_tools.is_colab_cell(cell):
-        changed = cell["source"] != source or cell["metadata"].get("tags") != book_tools.COLAB_TAGS
-        cell["source"] = source
-        cell["metadata"]["tags"] = list(book_tools.COLAB_TAGS)
-        cell["outputs"] = []
-        cell["execution_count"] = None
-        return changed
-    new = nbformat.v4.new_code_cell(source, metadata={"tags": list(book_tools.COLAB_TAGS)})
-    index = nb["cells"].index(cell) if cell is not None else len(nb["cells"])
-    nb["cells"].insert(index, new)
-    return True
-
-
-def refresh(path: pathlib.Path, execute: bool = True, timeout: int = 300) -> None:
-    nb = nbformat.read(path, as_version=4)
-    sync_colab_cell(nb)
-    book_tools.hide_solutions(nb)  # tags and wrappers only (scripts/hide_solutions.py)
-    if execute:
-        prepare_kernel_environment()
-        start = time.perf_counter()
-        NotebookClient(
-            nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
-        ).execute()
-        for cell in nb["cells"]:
-            if cell["cell_type"] == "code":
-                cell["outputs"] = [
-                    o for o in cell["outputs"] if not (o["output_type"] == "stream" and o["name"] == "stderr")
-                ]
-        print(f"{path}: executed in {time.perf_counter() - start:.1f} s", flush=True)
-    nbformat.write(nb, path)
-
-
-def sync_links(old_url: str, new_url: str) -> None:
-    """Replace the previous repository URL, and the book's URL derived from it, in README.md,
-    the book's pages and the other files of ``book_tools.LINKED_PAGES``."""
-    replacements = {old_url: new_url, book_tools.pages_url(old_url): book_tools.pages_url(new_url)}
-    for page in book_tools.linked_pages():
-        text = page.read_text()
-        new_text = text
-        for old, new in replacements.items():
-            new_text = new_text.replace(old, new)
-        if new_text != text:
-            page.write_text(new_text)
-            print(f"{page}: repository links now point to {new_url}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("notebooks", nargs="*", type=pathlib.Path, help="default: every notebook under book/")
-    parser.add_argument("--no-execute", action="store_true",
-                        help="only sync the Colab cells and the API page's causes table")
-    args = parser.parse_args(argv)
-    paths = args.notebooks or book_tools.notebooks()
-    new_url = book_tools.repository_url()
-    for path in book_tools.notebooks():
-        cell = book_tools.first_code_cell(nbformat.read(path, as_version=4))
-        old_url = book_tools.installed_url("".join(cell["source"])) if cell else None
-        if old_url and old_url != new_url:
-            sync_links(old_url, new_url)
-            break
-    api = book_tools.API_PAGE.read_text()
-    if book_tools.with_causes_table(api) != api:
-        book_tools.API_PAGE.write_text(book_tools.with_causes_table(api))
-        print(f"{book_tools.API_PAGE.relative_to(book_tools.ROOT)}: the causes table, from CAUSES", flush=True)
-    for i, path in enumerate(paths, 1):
-        print(f"[{i}/{len(paths)}] {path}", flush=True)
-        refresh(path.resolve(), execute=not args.no_execute)
-    return 0
-
+from book_tools.refresh import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -53,7 +53,7 @@ def test_first_code_cell_installs_this_version_and_is_shown_collapsed(path):
     cell = book_tools.first_code_cell(_load(path))
     source = "".join(cell["source"])
     assert source == book_tools.colab_cell_source(), (
-        f"{path.name}: the install cell is out of date; run `python scripts/refresh_notebooks.py --no-execute`"
+        f"{path.name}: the install cell is out of date; run `python scripts/refresh.py --no-execute`"
     )
     pinned = re.search(r"@v(\d+\.\d+\.\d+\S*)\"", source).group(1)
     assert pinned == companion.__version__
@@ -106,7 +106,7 @@ def test_install_cell_installs_this_release_wherever_companion_is_missing(monkey
 
 def test_install_cell_replaces_the_colab_only_cell_of_earlier_versions():
     import nbformat
-    import refresh_notebooks
+    from book_tools import refresh
 
     old = (
         "import sys\n\nif \"google.colab\" in sys.modules:\n"
@@ -117,11 +117,11 @@ def test_install_cell_replaces_the_colab_only_cell_of_earlier_versions():
         nbformat.v4.new_code_cell(old, metadata={"tags": ["nbval-skip", "remove-cell"]}),
         nbformat.v4.new_code_cell("from companion.book.notebook import setup"),
     ])
-    assert refresh_notebooks.sync_colab_cell(nb)
+    assert refresh.sync_colab_cell(nb)
     assert len(nb["cells"]) == 3
     assert nb["cells"][1]["source"] == book_tools.colab_cell_source()
     assert nb["cells"][1]["metadata"]["tags"] == book_tools.COLAB_TAGS
-    assert not refresh_notebooks.sync_colab_cell(nb)  # idempotent
+    assert not refresh.sync_colab_cell(nb)  # idempotent
 
 
 def test_installed_distribution_has_the_package_version():
@@ -167,7 +167,7 @@ def test_pages_link_to_the_configured_repository():
                 continue
             assert url.endswith(found.removesuffix(".git")), (
                 f"{page.name} links to {found}, not to repository.url {url}; "
-                "run `python scripts/refresh_notebooks.py --no-execute`"
+                "run `python scripts/refresh.py --no-execute`"
             )
 
 
@@ -289,10 +289,10 @@ def test_no_visible_code_cell_is_longer_than_the_limit():
 def test_refreshed_outputs_are_never_made_with_the_ulp_perturbation(monkeypatch):
     import os
 
-    import refresh_notebooks
+    from book_tools import refresh
 
     monkeypatch.setenv("COMPANION_PERTURB_ULP", "1")
-    refresh_notebooks.prepare_kernel_environment()
+    refresh.prepare_kernel_environment()
     assert "COMPANION_PERTURB_ULP" not in os.environ
     assert os.environ["PYTHONHASHSEED"] == "0"
 

@@ -18,7 +18,7 @@ import urllib.parse
 import pytest
 
 import book_tools
-import translate_book
+from book_tools.zh import render
 from test_browser import _file_path, browser  # noqa: F401 (the fixture, shared)
 
 pytestmark = pytest.mark.slow
@@ -111,7 +111,7 @@ def test_every_section_of_an_english_page_has_its_anchor_on_the_chinese_page(bui
                          ids=lambda p: str(p.relative_to(book_tools.ROOT)))
 def test_chinese_page_launches_the_chinese_notebook_in_colab(built_book, source):
     colab = [href for href in _parse(_zh_html(built_book, source)).links if "colab.research.google.com" in href]
-    expected = book_tools.colab_launch_url(translate_book.zh_path(source))
+    expected = book_tools.colab_launch_url(render.zh_path(source))
     assert colab == [expected], f"Colab links {colab}, expected {expected}"
     assert "/blob/" in expected and expected.endswith("zh/" + source.relative_to(book_tools.ROOT).as_posix())
 
@@ -149,7 +149,7 @@ def test_a_chinese_chapter_in_the_browser(browser, built_book):  # noqa: F811 (t
     # The theme's own strings (navigation, search, previous/next, footer) are Chinese too.
     for word in ("搜索", "上一页", "下一页"):
         assert word in facts["chrome"], f"the theme's {word!r} is missing: {facts['chrome'][:300]}"
-    assert facts["colab"] == [book_tools.colab_launch_url(translate_book.zh_path(CHAPTER))]
+    assert facts["colab"] == [book_tools.colab_launch_url(render.zh_path(CHAPTER))]
 
     # Its language link leads to the English twin, and that page's link back here.
     browser.get(facts["language"])

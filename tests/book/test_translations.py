@@ -21,9 +21,9 @@ import sys
 import pytest
 
 import book_tools
-import translate_book
+from book_tools.zh import glossary, render, store, units
 
-PAGES = translate_book.english_pages()
+PAGES = units.english_pages()
 NOTEBOOKS = [p for p in PAGES if p.suffix == ".ipynb"]
 CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff]")
 
@@ -33,13 +33,13 @@ def _name(path: pathlib.Path) -> str:
 
 
 def test_the_site_strings_have_current_translations():
-    problems = translate_book.translations(None)[1]
+    problems = store.translations(None)[1]
     assert not problems, "\n".join(map(str, problems))
 
 
 @pytest.mark.parametrize("page", PAGES, ids=_name)
 def test_every_english_cell_has_a_current_translation(page):
-    problems = translate_book.translations(page)[1]
+    problems = store.translations(page)[1]
     assert not problems, (
         f"{len(problems)} units of {_name(page)} have no current translation "
         "(python scripts/translate_book.py --stale shows what changed):\n" + "\n".join(map(str, problems))
@@ -51,7 +51,7 @@ def _without_prompts(cell: dict, check_chinese: list | None = None, index: int =
     cell the Chinese edition translates; with ``check_chinese``, a label that is not Chinese is reported there."""
     cell = json.loads(json.dumps(cell))
     mystnb = cell.get("metadata", {}).get("mystnb", {})
-    for key in translate_book.PROMPT_KEYS:
+    for key in render.PROMPT_KEYS:
         label = mystnb.pop(key, None)
         if check_chinese is not None and label is not None and not CJK.search(label):
             check_chinese.append(f"cell {index} (id {cell['id']}): {key} {label!r} is not translated")
@@ -62,7 +62,7 @@ def _without_prompts(cell: dict, check_chinese: list | None = None, index: int =
 
 @pytest.mark.parametrize("page", NOTEBOOKS, ids=_name)
 def test_chinese_notebook_has_the_english_code_and_outputs(page):
-    twin = translate_book.zh_path(page)
+    twin = render.zh_path(page)
     assert twin.is_file(), f"{_name(twin)} is missing: run python scripts/translate_book.py"
     english, chinese = (json.loads(p.read_text(encoding="utf-8")) for p in (page, twin))
     assert chinese["metadata"] == english["metadata"], f"{_name(twin)}: notebook metadata differ from the English"
@@ -87,8 +87,8 @@ def test_chinese_notebook_has_the_english_code_and_outputs(page):
 
 def test_chinese_tree_is_what_translate_book_writes():
     try:
-        differences = translate_book.differences()
-    except translate_book.Untranslated as error:
+        differences = render.differences()
+    except render.Untranslated as error:
         pytest.fail(f"zh/ cannot be written: {len(error.problems)} units untranslated or stale, the first: "
                     f"{error.problems[0]}")
     assert not differences, "run python scripts/translate_book.py:\n" + "\n".join(differences)
@@ -108,10 +108,9 @@ def _prose(text: str) -> str:
 
 def _stored_units():
     for page in [None, *PAGES]:
-        found = translate_book.translations(page)[0]
-        units = translate_book.site_units() if page is None else translate_book.units_of(page)
-        name = translate_book.SITE_STORE.name if page is None else _name(page)
-        for unit in units:
+        found = store.translations(page)[0]
+        name = store.SITE_STORE.name if page is None else _name(page)
+        for unit in units.of(page):
             if unit.key in found:
                 yield name, unit, found[unit.key]
 
@@ -209,7 +208,7 @@ def test_translations_keep_the_math_references_code_and_directives_of_the_englis
 
 def _glossary_rows() -> list[tuple[str, str, list[str]]]:
     rows = []
-    for line in translate_book.GLOSSARY_SOURCE.read_text(encoding="utf-8").splitlines():
+    for line in glossary.GLOSSARY_SOURCE.read_text(encoding="utf-8").splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 3 and CJK.search(cells[0]) and cells[0] != "中文":
             rows.append((cells[0], cells[1], [w.strip() for w in cells[2].split("、") if w.strip()]))
@@ -238,7 +237,7 @@ def test_every_page_uses_the_glossarys_terms_and_not_the_ones_it_rules_out():
 
 
 def test_the_chinese_intro_says_that_outputs_stay_in_english():
-    intro = translate_book.zh_path(PAGES[0]).read_text(encoding="utf-8")
+    intro = render.zh_path(PAGES[0]).read_text(encoding="utf-8")
     assert re.search(r"输出.{0,40}英文", intro), "the Chinese intro must say once that the outputs stay in English"
     assert "glossary" in intro, "the Chinese intro links to the glossary"
 
@@ -267,23 +266,44 @@ def test_a_changed_english_cell_is_reported_stale_and_a_new_one_missing(tmp_path
     ]
     nb = {"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
     page.write_text(json.dumps(nb))
-    monkeypatch.setattr(translate_book, "english_pages", lambda: [page])
-    translate_book.import_units(page, f"{translate_book.MARKER}m1\n# 标题\n\n一些文字。\n")
-    found, problems = translate_book.translations(page)
+    monkeypatch.setattr(units, "english_pages", lambda: [page])
+    store.import_units(page, f"{store.MARKER}m1\n# 标题\n\n一些文字。\n")
+    found, problems = store.translations(page)
     assert problems == [] and found == {"m1": "# 标题\n\n一些文字。"}
-    written = json.loads(translate_book.chinese_notebook_text(page, found))
+    written = json.loads(render.chinese_notebook_text(page, found))
     assert written["cells"][0]["source"] == ["# 标题\n", "\n", "一些文字。"]
     assert written["cells"][1] == cells[1]
 
     cells[0]["source"] = ["# Title\n", "\n", "Some other text."]
     cells.insert(1, {"cell_type": "markdown", "id": "m2", "metadata": {}, "source": ["New."]})
     page.write_text(json.dumps(nb))
-    problems = translate_book.translations(page)[1]
+    problems = store.translations(page)[1]
     assert [(p.unit.key, p.unit.index, p.kind) for p in problems] == [("m1", 0, "stale"), ("m2", 1, "missing")]
     assert "chapter.ipynb: cell 0 (id m1): stale" in str(problems[0])
     assert problems[0].old_english == "# Title\n\nSome text."
-    with pytest.raises(translate_book.Untranslated, match="cell 1 \\(id m2\\): missing"):
-        translate_book.chinese_tree()
+    with pytest.raises(render.Untranslated, match="cell 1 \\(id m2\\): missing"):
+        render.chinese_tree()
+
+
+def test_rewrapped_keeps_a_translation_whose_english_only_moved_its_line_breaks(tmp_path, monkeypatch):
+    """``--rewrapped``: English re-wrapped (line breaks and spaces) keeps its translation, with the new hash;
+    English whose words changed stays stale."""
+    page = tmp_path / "chapter.ipynb"
+    cells = [{"cell_type": "markdown", "id": "m1", "metadata": {}, "source": ["Some text, wrapped\n", "here."]},
+             {"cell_type": "markdown", "id": "m2", "metadata": {}, "source": ["Other text."]}]
+    nb = {"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+    page.write_text(json.dumps(nb))
+    monkeypatch.setattr(units, "english_pages", lambda: [page])
+    store.import_units(page, f"{store.MARKER}m1\n一些文字。\n{store.MARKER}m2\n别的文字。\n")
+    cells[0]["source"] = ["Some text,\n", "wrapped  here."]
+    cells[1]["source"] = ["Other words."]
+    page.write_text(json.dumps(nb))
+    assert [(p.unit.key, p.kind) for p in store.translations(page)[1]] == [("m1", "stale"), ("m2", "stale")]
+    kept = store.refresh_rewrapped()
+    assert len(kept) == 1 and "(id m1)" in kept[0]
+    found, problems = store.translations(page)
+    assert found == {"m1": "一些文字。"} and [(p.unit.key, p.kind) for p in problems] == [("m2", "stale")]
+    assert store.refresh_rewrapped() == []
 
 
 def test_a_fork_with_another_repository_url_needs_no_new_translation(monkeypatch):
@@ -291,17 +311,16 @@ def test_a_fork_with_another_repository_url_needs_no_new_translation(monkeypatch
     the URLs as placeholders, so the translations stay current and carry the fork's URLs."""
     page = PAGES[0]
     original, fork = book_tools.repository_url(), "https://github.com/someone-else/nan-fork"
-    found, problems = translate_book.translations(page)
+    found, problems = store.translations(page)
     assert not problems and any(original in zh for zh in found.values()), "the intro names the repository"
-    units = translate_book.units_of(page)
     rewritten = [
-        translate_book.Unit(u.key, u.index, u.text.replace(original, fork).replace(
+        units.Unit(u.key, u.index, u.text.replace(original, fork).replace(
             book_tools.pages_url(original), book_tools.pages_url(fork)))
-        for u in units
+        for u in units.units_of(page)
     ]
-    monkeypatch.setattr(book_tools, "repository_url", lambda: fork)
-    monkeypatch.setattr(translate_book, "units_of", lambda _page: rewritten)
-    found_fork, problems = translate_book.translations(page)
+    monkeypatch.setattr(book_tools.settings, "repository_url", lambda: fork)
+    monkeypatch.setattr(units, "units_of", lambda _page: rewritten)
+    found_fork, problems = store.translations(page)
     assert not problems, "\n".join(map(str, problems))
     assert not any(original in zh for zh in found_fork.values())
     assert any(fork in zh for zh in found_fork.values())
@@ -309,7 +328,7 @@ def test_a_fork_with_another_repository_url_needs_no_new_translation(monkeypatch
 
 def _chinese_page_units(page: pathlib.Path) -> list[str]:
     """The Chinese page's markdown: one string per markdown cell of a notebook, or the whole page."""
-    twin = translate_book.zh_path(page)
+    twin = render.zh_path(page)
     if twin.suffix == ".ipynb":
         cells = json.loads(twin.read_text(encoding="utf-8"))["cells"]
         return ["".join(c["source"]) for c in cells if c["cell_type"] == "markdown"]
@@ -338,7 +357,7 @@ def _running_text_spans(text: str) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("page", PAGES, ids=_name)
 def test_every_page_gives_the_english_of_a_glossary_term_at_its_first_use(page):
-    terms = translate_book.glossary_terms()
+    terms = glossary.glossary_terms()
     first: dict[str, tuple[str, int, int]] = {}
     for text in _chinese_page_units(page):
         protected = _running_text_spans(text)
@@ -364,7 +383,7 @@ def test_every_page_gives_the_english_of_a_glossary_term_at_its_first_use(page):
 def test_every_page_gives_the_english_of_a_glossary_term_once(page):
     text = _chinese_page_prose(page)
     twice = []
-    for term, english in translate_book.glossary_terms():
+    for term, english in glossary.glossary_terms():
         glosses = re.findall(f"{re.escape(term)}[（(，]\\s*{re.escape(english)}[）)，,]", text, flags=re.I)
         if len(glosses) > 1:
             twice.append(f"{term} ({english}): {len(glosses)} times")
@@ -376,20 +395,20 @@ def test_the_annotation_reads_past_a_heading_and_merges_with_a_parenthesis():
     and a term followed by a parenthesis got a second pair of them."""
     terms = [("上溢", "overflow"), ("检查点", "checkpoint")]
     texts = ["## 1. 标题\n\n在 `float16` 中会上溢；之后再次上溢。", "检查点（`train(checkpoint_dir=...)`）写在这里。"]
-    assert translate_book.annotate_first_uses(texts, terms) == [
+    assert glossary.annotate_first_uses(texts, terms) == [
         "## 1. 标题\n\n在 `float16` 中会上溢（overflow）；之后再次上溢。",
         "检查点（checkpoint，`train(checkpoint_dir=...)`）写在这里。",
     ]
     by_hand = ["上溢（overflow）一次。", "又上溢（overflow）一次。"]
-    assert translate_book.annotate_first_uses(by_hand, terms) == ["上溢（overflow）一次。", "又上溢一次。"]
+    assert glossary.annotate_first_uses(by_hand, terms) == ["上溢（overflow）一次。", "又上溢一次。"]
 
 
 def test_the_chinese_pages_have_no_line_break_between_two_chinese_characters():
     """A browser renders a line break inside a paragraph as a space, which Chinese text does not have
-    (translate_book.join_cjk_lines joins them when it writes the pages)."""
+    (render.join_cjk_lines joins them when it writes the pages)."""
     cjk = r"[\u3000-\u303f\u3400-\u4dbf\u4e00-\u9fff\uff00-\uffef]"
     found = []
-    glossary = translate_book.ZH / (translate_book.GLOSSARY_DOC + ".md")
+    glossary = render.ZH / (render.GLOSSARY_DOC + ".md")
     for page, texts in [*((p, _chinese_page_units(p)) for p in PAGES), (glossary, [glossary.read_text("utf-8")])]:
         for text in texts:
             blocks = [m.span() for m in re.finditer(r"^(```|:::)[^\n]*\n(?:.*\n)*?\1|\$\$(?:[^$]|\$(?!\$))*\$\$",
@@ -428,7 +447,7 @@ def test_translations_keep_the_link_targets_of_the_english_anchors_included():
 
 def test_the_fixed_headings_are_written_as_d2l_zh_writes_them():
     """小结 for What to remember, 练习 for Exercises, 结语 for the closing part, 参考资料 for the references."""
-    site = translate_book.translations(None)[0]
+    site = store.translations(None)[0]
     expected = {"What to remember": "小结", "Exercises": "练习"}
     wrong = []
     for name, unit, zh in _stored_units():
@@ -437,7 +456,7 @@ def test_the_fixed_headings_are_written_as_d2l_zh_writes_them():
         for en, heading in zip(en_headings, zh_headings):
             if en.strip() in expected and heading.strip() != expected[en.strip()]:
                 wrong.append(f"{name}: {unit.key}: {heading!r} for {en!r}")
-    captions = {unit.text: site[unit.key] for unit in translate_book.site_units() if unit.key.startswith("caption")}
+    captions = {unit.text: site[unit.key] for unit in units.site_units() if unit.key.startswith("caption")}
     assert captions["Closing"] == "结语" and captions["Reference"] == "参考资料", captions
     assert not wrong, "\n".join(wrong)
 
@@ -451,7 +470,7 @@ def test_the_chinese_edition_quotes_the_askers_and_the_answers_in_their_own_word
     quotes the original verbatim instead of translating the English back."""
     seeds = re.sub(r"\s+", "", "".join(p.read_text(encoding="utf-8") for p in sorted(SEEDS.glob("*.txt"))))
     assert len(seeds) > 3000, "the two seeds are missing"
-    quoting = [translate_book.ROOT / "book" / "closing" / "answers_audited.md"]
+    quoting = [render.ROOT / "book" / "closing" / "answers_audited.md"]
     not_verbatim, checked = [], 0
     for name, unit, zh in _stored_units():
         if "(translated)" not in unit.text and not any(name == _name(p) for p in quoting):
@@ -468,13 +487,13 @@ def test_the_chinese_edition_quotes_the_askers_and_the_answers_in_their_own_word
 def test_the_chinese_section_links_land_on_an_anchor_of_the_chinese_page():
     """A link to a section of another page is written into the Chinese tree as an HTML link to the English
     section's id (MyST would look for a Chinese heading's slug and warn), and that id is an anchor of the
-    Chinese page (translate_book.with_english_anchors puts it before the heading)."""
+    Chinese page (render.with_english_anchors puts it before the heading)."""
     links, missing = 0, []
     for page in PAGES:
         for text in _chinese_page_units(page):
             for target, anchor in re.findall(r'<a href="([^"#:]+)\.html#([\w-]+)">', text):
                 links += 1
-                base = (translate_book.zh_path(page).parent / target).resolve()
+                base = (render.zh_path(page).parent / target).resolve()
                 twin = next((base.with_suffix(s) for s in (".ipynb", ".md") if base.with_suffix(s).is_file()), None)
                 if twin is None or not re.search(rf'id=\\?"{re.escape(anchor)}\\?"', twin.read_text("utf-8")):
                     missing.append(f"{_name(page)}: {target}#{anchor}")
@@ -483,11 +502,11 @@ def test_the_chinese_section_links_land_on_an_anchor_of_the_chinese_page():
 
 
 def test_each_row_of_a_table_is_a_unit_of_its_own_so_a_new_cause_is_one_new_unit():
-    units = [u.text for u in translate_book.units_of(book_tools.API_PAGE)]
+    texts = [u.text for u in units.units_of(book_tools.API_PAGE)]
     header, rule, *rows = book_tools.causes_table().split("\n")
-    assert f"{header}\n{rule}" in units
-    assert all(row in units for row in rows)
+    assert f"{header}\n{rule}" in texts
+    assert all(row in texts for row in rows)
     page = "intro\n\n| a | b |\n|---|---|\n| 1 | 2 |\n| 3 | 4 |\n\nend\n"
-    pieces = translate_book.md_blocks(page)
+    pieces = units.md_blocks(page)
     assert [block for block, _ in pieces] == ["intro", "| a | b |\n|---|---|", "| 1 | 2 |", "| 3 | 4 |", "end"]
-    assert translate_book.join_md_blocks(pieces) == page
+    assert units.join_md_blocks(pieces) == page

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 import book_tools
-import release
+from book_tools import release
 
 ROOT = book_tools.ROOT
 README = (ROOT / "README.md").read_text()
@@ -130,30 +130,30 @@ def test_changelog_entry_is_the_body_of_the_version_section():
         "# Changelog\n\n## [Unreleased]\n\n- next\n\n## [1.1.0] - 2026-12-01\n\n### Fixed\n\n- a bug\n\n"
         "## [1.0.0] - 2026-11-30\n\n- first\n\n[1.1.0]: https://x/releases/tag/v1.1.0\n"
     )
-    assert book_tools.changelog_entry("1.1.0", changelog) == "### Fixed\n\n- a bug\n"
-    assert book_tools.changelog_entry("1.0.0", changelog) == "- first\n"
+    assert release.changelog_entry("1.1.0", changelog) == "### Fixed\n\n- a bug\n"
+    assert release.changelog_entry("1.0.0", changelog) == "- first\n"
     for missing in ("1.2.0", "Unreleased", "1.1"):
         with pytest.raises(ValueError, match="no dated entry"):
-            book_tools.changelog_entry(missing, changelog)
+            release.changelog_entry(missing, changelog)
     with pytest.raises(ValueError, match="no dated entry"):  # a heading without content
-        book_tools.changelog_entry("2.0.0", "## [2.0.0] - 2026-12-02\n\n## [1.0.0] - 2026-11-30\n- x\n")
+        release.changelog_entry("2.0.0", "## [2.0.0] - 2026-12-02\n\n## [1.0.0] - 2026-11-30\n- x\n")
     notes = _run_release("notes", f"v{book_tools.package_version()}")
-    assert notes.returncode == 0 and notes.stdout == book_tools.changelog_entry(book_tools.package_version())
+    assert notes.returncode == 0 and notes.stdout == release.changelog_entry(book_tools.package_version())
     assert notes.stdout.strip() and "## [" not in notes.stdout
 
 
 def test_pinning_the_branch_changes_only_repository_branch():
     text = (ROOT / "_config.yml").read_text()
-    pinned = book_tools.with_repository_branch(text, "v9.8.7")
+    pinned = release.with_repository_branch(text, "v9.8.7")
     assert yaml.safe_load(pinned)["repository"]["branch"] == "v9.8.7"
     changed = [(a, b) for a, b in zip(text.splitlines(), pinned.splitlines()) if a != b]
     assert len(changed) == 1 and len(text.splitlines()) == len(pinned.splitlines())
     # The launch URL of a chapter then names the tag.
     assert yaml.safe_load(text)["repository"]["branch"] == book_tools.repository_branch()
     with pytest.raises(ValueError, match="git ref name"):
-        book_tools.with_repository_branch(text, "v1; rm -rf /")
+        release.with_repository_branch(text, "v1; rm -rf /")
     with pytest.raises(ValueError, match="no repository.branch"):
-        book_tools.with_repository_branch("title: x\n", "v1.0.0")
+        release.with_repository_branch("title: x\n", "v1.0.0")
 
 
 def test_release_pin_branch_refuses_a_tag_that_is_not_the_version(tmp_path):
@@ -177,13 +177,13 @@ def test_contributing_documents_the_lock_refresh_and_the_release_steps():
 
 
 def test_changing_the_repository_rewrites_the_book_url_too(tmp_path, monkeypatch):
-    import refresh_notebooks
+    from book_tools import refresh
 
     old = book_tools.repository_url()
     page = tmp_path / "CITATION.cff"
     page.write_text(f"repository-code: {old}\nurl: {book_tools.pages_url(old)}\n")
-    monkeypatch.setattr(book_tools, "linked_pages", lambda: [page])
-    refresh_notebooks.sync_links(old, "https://github.com/Fork-Owner/fork-book")
+    monkeypatch.setattr(book_tools.settings, "linked_pages", lambda: [page])
+    refresh.sync_links(old, "https://github.com/Fork-Owner/fork-book")
     assert page.read_text() == (
         "repository-code: https://github.com/Fork-Owner/fork-book\nurl: https://fork-owner.github.io/fork-book/\n"
     )

@@ -1,7 +1,8 @@
 """Sphinx extension: the Chinese edition (简体中文版), built with the English one and linked page to page.
 
-Registered in ``_config.yml`` (``sphinx.local_extensions``) and, through the generated ``zh/_config.yml``, in
-the Chinese build too; what it does depends on which of the two it runs in.
+Registered in ``_config.yml`` (``sphinx.local_extensions``: ``book_tools.sphinx_zh``, found in ``scripts/``)
+and, through the generated ``zh/_config.yml``, in the Chinese build too; what it does depends on which of the
+two it runs in.
 
 - In the English build (source folder = the repository's root), when the HTML build has finished, it builds the
   Chinese tree ``zh/`` (written by ``scripts/translate_book.py``) with Jupyter Book in a second process, with
@@ -30,13 +31,12 @@ from sphinx.errors import ExtensionError
 from sphinx.search.zh import SearchChinese
 from sphinx.util import logging
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import translate_book  # noqa: E402
+from .zh import render
 
 logger = logging.getLogger(__name__)
 
-ROOT = translate_book.ROOT
-ZH = translate_book.ZH
+ROOT = render.ROOT
+ZH = render.ZH
 LINK_CLASS = "edition-language-link"
 
 _CJK = r"\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
@@ -114,8 +114,8 @@ def add_language_link(app: Sphinx, pagename: str, templatename: str, context: di
 
 def _report_stale() -> None:
     try:
-        differences = translate_book.differences()
-    except translate_book.Untranslated as error:
+        differences = render.differences()
+    except render.Untranslated as error:
         logger.warning(
             "the Chinese edition is stale: %d units of English text have no current translation "
             "(python scripts/translate_book.py --stale); the first: %s", len(error.problems), error.problems[0])
