@@ -61,5 +61,3 @@ from companion._internal.variables import (
     variable_writes_interceptable,
     variable_writes_patched,
 )
-
-FAMILIES = ("distribute", "errors", "keras_trainer", "ops", "optimizers", "random_states", "variables")

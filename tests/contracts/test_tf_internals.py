@@ -490,12 +490,16 @@ def test_keras_fit_and_evaluate_keep_and_reuse_their_step_functions_on_the_model
 
 
 def _hook_functions() -> dict:
-    """Every public function of the family modules of companion._internal, by ``module.name``."""
+    """Every public function of the family modules of companion._internal (each of its modules
+    but the registry, a new one included), by ``module.name``."""
     import importlib
     import inspect
+    import pkgutil
 
     found = {}
-    for family in _internal.FAMILIES:
+    families = [info.name for info in pkgutil.iter_modules(_internal.__path__) if info.name != "registry"]
+    assert {"variables", "keras_trainer", "distribute"} <= set(families), families
+    for family in families:
         module = importlib.import_module(f"companion._internal.{family}")
         for name, value in vars(module).items():
             if inspect.isfunction(value) and value.__module__ == module.__name__ and not name.startswith("_"):
