@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-# The tests' shared modules (training_data) and the test modules another one imports
+# The tests' shared modules (training_data, keras_io_models) and the test modules another one imports
 # (test_doctor_reports, test_training_custom_steps, test_browser, test_translations) import
 # by name, also under --import-mode=importlib (which puts no test folder on sys.path).
 _TESTS = pathlib.Path(__file__).resolve().parent

@@ -31,6 +31,7 @@ import tensorflow as tf
 
 from companion.diagnostics import NaNDoctor, diagnose, diagnose_function, replay
 from companion.diagnostics import callback as callback_module
+from keras_io_models import GuideModel
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 HERE = inspect.getsourcefile(lambda: None)
@@ -313,22 +314,6 @@ def test_max_pooling_hides_the_nan_weights_from_the_loss_but_not_from_the_doctor
 # --------------------------------------------------------------------------------------
 
 
-class GuideModel(keras.Model):
-    """guides/custom_train_step_in_tensorflow.py, "A first simple example"."""
-
-    def train_step(self, data):
-        x, y = data
-        with tf.GradientTape() as tape:
-            y_pred = self(x, training=True)
-            loss = self.compute_loss(y=y, y_pred=y_pred)
-        gradients = tape.gradient(loss, self.trainable_variables)
-        self.optimizer.apply(gradients, self.trainable_variables)
-        for metric in self.metrics:
-            if metric.name == "loss":
-                metric.update_state(loss)
-            else:
-                metric.update_state(y, y_pred)
-        return {m.name: m.result() for m in self.metrics}
 
 
 def rmse(y, p):

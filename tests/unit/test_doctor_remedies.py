@@ -29,6 +29,7 @@ import tensorflow as tf
 import test_doctor_reports as reports  # the cases of the other file, and their runner
 from companion.diagnostics import CAUSES, NaNDoctor, diagnose
 from companion.numerics import safe_pow, signed_pow
+from keras_io_models import GuideModel
 
 HERE = inspect.getsourcefile(lambda: None)
 with open(HERE) as _source:
@@ -290,22 +291,6 @@ def supcon_no_positive(fixed=False):
     return model, x, labels, {"batch_size": 8}
 
 
-class GuideModel(keras.Model):
-    """guides/custom_train_step_in_tensorflow.py, "A first simple example"."""
-
-    def train_step(self, data):
-        x, y = data
-        with tf.GradientTape() as tape:
-            y_pred = self(x, training=True)
-            loss = self.compute_loss(y=y, y_pred=y_pred)
-        gradients = tape.gradient(loss, self.trainable_variables)
-        self.optimizer.apply(gradients, self.trainable_variables)
-        for metric in self.metrics:
-            if metric.name == "loss":
-                metric.update_state(loss)
-            else:
-                metric.update_state(y, y_pred)
-        return {m.name: m.result() for m in self.metrics}
 
 
 def guide_poisson_log(fixed=False):
@@ -568,7 +553,7 @@ def test_the_first_remedy_of_a_rebuilt_report_applied_as_printed_makes_the_step_
     assert d.remedy is not None and case.remedy in d.remedy
     # The doctor's own check of its remedy, on a copy of the failing step (every one is mechanical).
     assert d.verified is not None and d.verified.startswith("verified: the step is finite "), str(d)
-    assert f"  checked:   verified:" in str(d)
+    assert "  checked:   verified:" in str(d)
     assert finite_after_remedy(case), f"{case.id}: the remedy {d.remedy!r} does not cure"
 
 

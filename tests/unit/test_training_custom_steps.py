@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from companion.training import train
 from companion.training.step import model_optimizers
+from keras_io_models import GuideModel
 
 RNG = np.random.default_rng(0)
 
@@ -45,24 +46,6 @@ def random_state(snapshot: dict) -> set:
 # --------------------------------------------------------------------------------------
 
 
-class GuideModel(keras.Model):
-    """guides/custom_train_step_in_tensorflow.py: `compute_loss` and `optimizer.apply`,
-    the metrics updated by hand (no `scale_loss`)."""
-
-    def train_step(self, data):
-        x, y = data
-        with tf.GradientTape() as tape:
-            y_pred = self(x, training=True)
-            loss = self.compute_loss(y=y, y_pred=y_pred)
-        trainable_vars = self.trainable_variables
-        gradients = tape.gradient(loss, trainable_vars)
-        self.optimizer.apply(gradients, trainable_vars)
-        for metric in self.metrics:
-            if metric.name == "loss":
-                metric.update_state(loss)
-            else:
-                metric.update_state(y, y_pred)
-        return {m.name: m.result() for m in self.metrics}
 
 
 def guide_model():
