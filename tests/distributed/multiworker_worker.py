@@ -149,7 +149,8 @@ if options.scenario == "main":
     # keras.io's GAN (two optimizers of its own, tests/unit/test_training_custom_steps.py):
     # a NaN in worker 1's part of batch 1 skips the step on both workers, and the
     # skipped step changes nothing: [batch 0, poisoned batch 1] ends as [batch 0] does.
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "unit"))
+    tests = pathlib.Path(__file__).resolve().parents[1]  # its shared modules, and unit/ for the models
+    sys.path[:0] = [str(tests), str(tests / "unit")]
     import test_training_custom_steps as steps
 
     gan_states = {}

@@ -157,7 +157,7 @@ MIRRORED_SCRIPT = textwrap.dedent(
     # variable (the weights, every optimizer's state, the metrics, a queue the step
     # assigns itself); only the random state moves on.
     import sys
-    sys.path.insert(0, os.environ["COMPANION_TESTS"])
+    sys.path[:0] = [os.environ["COMPANION_TESTS"], os.path.join(os.environ["COMPANION_TESTS"], "unit")]
     import test_training_custom_steps as steps
 
     def built(name):
@@ -212,7 +212,7 @@ MIRRORED_SCRIPT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def mirrored_result() -> dict:
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONHASHSEED="0", COMPANION_TESTS=str(pathlib.Path(__file__).parents[1] / "unit"))
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONHASHSEED="0", COMPANION_TESTS=str(pathlib.Path(__file__).parents[1]))
     completed = subprocess.run(
         [sys.executable, "-c", MIRRORED_SCRIPT], capture_output=True, text=True, timeout=600, env=env
     )
