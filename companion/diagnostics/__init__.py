@@ -29,6 +29,8 @@ step :func:`companion.training.train` skips, under any strategy and on every wor
 is the culprit), ``remedies`` (a remedy for the case, applied to a copy of the failing step and
 verified: a clamp on the user's line, a layer's float32 policy, the batch without its
 NaN rows, or a smaller learning rate or ``clipnorm`` re-run over ``fit``'s steps),
+``rewrites`` (the remedy written against the user's line, and the clamp that applies it
+to the calls from that line for a re-run),
 ``capsule`` (:meth:`Diagnosis.save` and :func:`replay`) and ``__main__``
 (``python -m companion.diagnostics``).
 """

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from companion._gradients import gradient_values
 from companion.diagnostics.doctor import Diagnosis, from_event, keep_state
-from companion.diagnostics.remedies import _choice, verify_clamp
+from companion.diagnostics.rewrites import choice, verify_clamp
 from companion.diagnostics.step import culprit
 from companion.diagnostics.trace import OpTracer, eager_trace, nonfinite_mask
 
@@ -100,7 +100,7 @@ def _finite_run(fn, args, kwargs) -> tuple[bool, OpTracer]:
 def _remedy(found, tracer, fn, args, kwargs) -> tuple[str | None, str | None]:
     """The first remedy, and ``fn`` re-run once with it applied on the user's line (never raises)."""
     try:
-        remedy, clamp = _choice(found)
+        remedy, clamp = choice(found)
     except Exception:  # noqa: BLE001 - the doctor's own failure is never the user's
         return None, None
     if remedy is None or clamp is None:
