@@ -20,7 +20,10 @@ The package, one idea per module: ``gradients`` (per-variable records), ``source
 (which stack frames are the user's, which layer is running), ``trace``
 (the op-by-op re-run and the map from gradient ops to forward ops), ``locate``,
 ``causes`` (the documented causes and how one is recognised), ``data`` (data as
-``fit`` takes it), ``doctor`` (:func:`diagnose`), ``function``
+``fit`` takes it), ``scan`` (the scanning step: each batch's loss and gradients as
+``fit`` computes them, with nothing updated), ``diagnosis`` (:class:`Diagnosis`, and
+how one is made from the op that turned non-finite), ``doctor`` (:func:`diagnose`:
+the scan, then the checks and the op-by-op re-run of the failing batch), ``function``
 (:func:`diagnose_function`), ``report`` (text and HTML), ``callback``
 (:class:`NaNDoctor`), ``state`` (every replica's copy of a variable, saved and
 restored, so the doctor changes nothing), ``hooks`` (the diagnosis of the first
@@ -31,7 +34,8 @@ verified: a clamp on the user's line, a layer's float32 policy, the batch withou
 NaN rows, or a smaller learning rate or ``clipnorm`` re-run over ``fit``'s steps),
 ``rewrites`` (the remedy written against the user's line, and the clamp that applies it
 to the calls from that line for a re-run),
-``capsule`` (:meth:`Diagnosis.save` and :func:`replay`) and ``__main__``
+``capsule_file`` (the failing step as one file, written by :meth:`Diagnosis.save`),
+``capsule`` (:func:`replay`) and ``__main__``
 (``python -m companion.diagnostics``).
 """
 
@@ -40,7 +44,8 @@ from __future__ import annotations
 from companion.diagnostics.callback import NaNDoctor
 from companion.diagnostics.capsule import Replayed, replay
 from companion.diagnostics.causes import CAUSES, Cause
-from companion.diagnostics.doctor import Diagnosis, diagnose
+from companion.diagnostics.diagnosis import Diagnosis
+from companion.diagnostics.doctor import diagnose
 from companion.diagnostics.function import diagnose_function
 from companion.diagnostics.gradients import GradientRecord, GradientReport, nonfinite_gradients
 from companion.diagnostics.locate import NonFiniteLocation, locate_nonfinite

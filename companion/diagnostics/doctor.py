@@ -13,187 +13,29 @@
    inputs, and says whether the compiled step and the op-by-op re-run disagree.
 """
 
+
 from __future__ import annotations
 
-import dataclasses
-import inspect
-import os
 from typing import Any, Callable, Sequence
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from companion._gradients import all_finite, gradient_values
-from companion.diagnostics import report
-from companion.diagnostics.causes import CAUSES, classify, grew
-from companion.diagnostics.data import Replay, batches, nonfinite_data
+from companion._gradients import gradient_values
+from companion.diagnostics.causes import CAUSES, grew
+from companion.diagnostics.data import Replay, nonfinite_data
+from companion.diagnostics.diagnosis import Diagnosis, from_event, keep_state, replace, symptom
 from companion.diagnostics.gradients import _variable_path
 from companion.diagnostics.locate import dtype_name
-from companion.diagnostics.sources import source_text
-from companion.diagnostics.state import restore as _restore
 from companion.diagnostics.remedies import verify
-from companion.diagnostics.state import snapshot
-from companion.diagnostics.step import OwnStepScan, culprit, pack, step_variables, uses_own_step, written_variables
+from companion.diagnostics.scan import loss_function, model_state, scan
+from companion.diagnostics.state import restore, snapshot
+from companion.diagnostics.step import culprit, pack, step_variables, uses_own_step, written_variables
 from companion.diagnostics.step import logs_values as _logs_values
 from companion.diagnostics.trace import OpTracer, eager_trace, nonfinite_mask
-from companion.losses import mean_loss, resolve_loss
 
 __all__ = ["Diagnosis", "diagnose"]
-
-PHASES = ("input", "weights", "forward", "loss", "backward")
-
-
-@dataclasses.dataclass(frozen=True)
-class Diagnosis:
-    """What made a batch's loss or gradients non-finite, and what to do about it.
-
-    Attributes:
-        batch: index (0-based) of the batch, counted from the start of ``data``.
-        phase: where the first non-finite value appeared: ``"input"`` (the batch),
-            ``"weights"`` (the model), ``"forward"`` (the model's call), ``"loss"``
-            (the loss and regularisation) or ``"backward"`` (the gradient).
-        op: type of the op whose output was first non-finite (``"Log"``,
-            ``"SqrtGrad"``); ``None`` for the input and weights phases.
-        forward_op: for a gradient op, the forward op it differentiates; else ``None``.
-        layer: path of the Keras layer (for a gradient op, the forward op's layer).
-        source: ``"file:line"`` of the user's code that created the op (for a
-            gradient op, the line that created the forward op).
-        variables: paths of the variables with non-finite gradients.
-        dtype: dtype of the first non-finite tensor.
-        inputs_summary: what the culprit's inputs were, e.g. ``"3 of 64 inputs of
-            Sqrt are exactly 0"``.
-        cause: one of the names of ``CAUSES``.
-        fix: what to do (the cause's fix).
-        section: the book chapter and anchor that shows the cause.
-        mode_disagreement: ``None``, or a sentence saying that the compiled step and
-            the op-by-op re-run disagree, and which of them is non-finite.
-        symptom: ``"non-finite loss"`` or ``"finite loss, non-finite gradients"``
-            (in the mode that found the batch).
-        code: the text of the ``source`` line.
-        worker: in a multi-worker :func:`companion.training.train` run, the index of
-            the worker whose shard made the NaN; else ``None``.
-        epoch: the epoch (0-based) of the ``fit`` or ``train`` step, when the doctor ran
-            inside one (``batch`` is then counted within that epoch); else ``None``.
-        remedy: the first remedy for this case, from the op and its context: the call
-            to write instead on the user's line (a clamp of the op's input), a float16
-            layer's float32 policy, the batch without its NaN rows, or for a
-            divergence the optimizer with a learning rate ten times smaller or else
-            with ``clipnorm=1.0`` (the first that verifies); ``None`` if none.
-        verified: what the doctor found when it applied that remedy to a copy of the
-            failing step (``companion.diagnostics.remedies`` says how, for each
-            kind): ``"verified: the step is finite with ..."`` or ``"not verified:
-            ..."`` and why; ``None`` when the remedy is not one mechanical change (a
-            double ``where``, a formula replaced by ``softplus``) and nothing was
-            checked.
-
-    A diagnosis made by :func:`diagnose` (and so by :class:`NaNDoctor` and ``train``)
-    also keeps the failing step's state in memory: :meth:`save` writes it to a file
-    that :func:`~companion.diagnostics.replay` re-runs.
-    """
-
-    batch: int | None
-    phase: str
-    op: str | None
-    forward_op: str | None
-    layer: str | None
-    source: str | None
-    variables: tuple[str, ...]
-    dtype: str | None
-    inputs_summary: str
-    cause: str
-    fix: str
-    section: str
-    mode_disagreement: str | None = None
-    symptom: str = ""
-    code: str | None = None
-    worker: int | None = None
-    epoch: int | None = None
-    remedy: str | None = None
-    verified: str | None = None
-
-    def save(self, path: str | os.PathLike) -> str:
-        """Write the failing step to one ``.npz`` file: a NaN capsule.
-
-        The file holds the failing batch, every variable of the model and of its
-        optimizers as they were before the step (by path), the states of the global
-        random generators, and this diagnosis as JSON; no pickled object, so
-        ``np.load(path, allow_pickle=False)`` reads it. Attach it to a bug report, or
-        check a fix with :func:`~companion.diagnostics.replay`.
-
-        Args:
-            path: the file to write (``.npz`` is appended by NumPy if missing).
-
-        Returns:
-            The path written.
-
-        Raises:
-            ValueError: if this diagnosis keeps no state (one made by
-                :meth:`from_dict`, or by :func:`diagnose_function` on a function
-                without tensor arguments).
-        """
-        from companion.diagnostics.capsule import save  # noqa: PLC0415 - capsule imports doctor
-
-        return save(self, path)
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-compatible dict (the training checkpoint stores it)."""
-        return {**dataclasses.asdict(self), "variables": list(self.variables)}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Diagnosis":
-        """Inverse of :meth:`to_dict`."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{**{k: v for k, v in data.items() if k in names}, "variables": tuple(data["variables"])})
-
-    @property
-    def description(self) -> str:
-        """The cause's description (from ``CAUSES``)."""
-        return CAUSES[self.cause].description
-
-    def __str__(self) -> str:
-        return report.text(self)
-
-    def _repr_html_(self) -> str:
-        return report.html(self)
-
-
-# --------------------------------------------------------------------------------------
-# The loss as fit computes it
-# --------------------------------------------------------------------------------------
-
-
-def _loss_function(model, loss) -> Callable:
-    """``f(x, y, y_pred, sample_weight) -> scalar``: the given loss, or the compiled one."""
-    if loss is not None:
-        fn = resolve_loss(loss)
-
-        def given(x, y, y_pred, sample_weight):
-            if sample_weight is not None and isinstance(fn, keras.losses.Loss):
-                value = fn(y, y_pred, sample_weight=sample_weight)
-            else:
-                value = mean_loss(fn, y, y_pred)
-            if model.losses:
-                value = value + tf.cast(tf.add_n(model.losses), value.dtype)
-            return value
-
-        return given
-    if getattr(model, "compiled", False) and getattr(model, "loss", None) is not None:
-        accepts_training = "training" in inspect.signature(model.compute_loss).parameters
-
-        def compiled(x, y, y_pred, sample_weight):
-            kwargs = {"training": True} if accepts_training else {}
-            return model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, **kwargs)
-
-        return compiled
-    raise ValueError(
-        "the model is not compiled with a loss: pass loss= (a Keras loss name, a Loss or a callable)"
-    )
-
-
-# --------------------------------------------------------------------------------------
-# diagnose
-# --------------------------------------------------------------------------------------
 
 
 def diagnose(
@@ -284,20 +126,20 @@ def diagnose(
     if not isinstance(model, keras.layers.Layer):
         raise TypeError(f"model must be a Keras model, got {type(model).__name__}")
     own = uses_own_step(model, loss)
-    loss_fn = None if own else _loss_function(model, loss)
+    loss_fn = None if own else loss_function(model, loss)
     if jit_compile is None:
         jit_compile = bool(getattr(model, "jit_compile", False)) if getattr(model, "compiled", False) else False
     if hasattr(data, "__next__"):  # an iterator or generator: keep what it yields for the re-scans
         data = Replay(data)
-    scan = (model, data, loss_fn, y, sample_weight, batch_size, max_batches, skip_batches)
-    found = _scan(*scan, jit_compile)
+    scanned = (model, data, loss_fn, y, sample_weight, batch_size, max_batches, skip_batches)
+    found = scan(*scanned, jit_compile)
     fallback = None
     if found is None and jit_compile:
         fallback = "XLA"
-        found = _scan(*scan, False)
+        found = scan(*scanned, False)
     if found is None and eager_fallback:
         fallback = "graph"
-        found = _scan(*scan, None)
+        found = scan(*scanned, None)
     if found is None:
         return None
     index, (x, y_true, weights), compiled = found
@@ -310,109 +152,6 @@ def diagnose(
                         "numpy_random": np.random.get_state()})
     return result
 
-
-def keep_state(diagnosis: "Diagnosis", state: dict | None) -> "Diagnosis":
-    """Attach the failing step's state (for :meth:`Diagnosis.save`) to ``diagnosis``."""
-    if diagnosis is not None and state is not None:
-        object.__setattr__(diagnosis, "_capsule", state)
-    return diagnosis
-
-
-def replace(diagnosis: "Diagnosis", **changes) -> "Diagnosis":
-    """``dataclasses.replace`` that keeps the failing step's state."""
-    return keep_state(dataclasses.replace(diagnosis, **changes), getattr(diagnosis, "_capsule", None))
-
-
-def _state(model):
-    """Every local copy of the model's non-trainable variables (see :mod:`.state`)."""
-    return snapshot(model.non_trainable_variables)
-
-
-def _ensure_built(model, x) -> None:
-    if not model.built:
-        try:
-            model(x)
-        except Exception:  # a model without call() (keras.io's VAE, GAN): its train_step builds it
-            if not uses_own_step(model, None):
-                raise
-
-
-def _before_step(model, own):
-    """What the scanning step may change, saved: everything for an own step, else the state."""
-    return snapshot(step_variables(model)) if own else _state(model)
-
-
-def _run_scan_step(model, step, own, x, y_true, weights):
-    """One scanning step with every variable restored: ``(loss ok, bad variables, bad logs)``."""
-    saved = _before_step(model, own)
-    try:
-        first, second = step(x, y_true, weights)
-    finally:
-        _restore(saved)
-    first, second = np.asarray(first), np.asarray(second)
-    if own:
-        bad_logs = [name for name, ok in zip(step.log_names, first) if not ok]
-        bad = [_variable_path(v) for v, ok in zip(step.written, second) if not ok]
-        return not bad_logs, bad, bad_logs
-    names = [_variable_path(v) for v, ok in zip(model.trainable_variables, second) if not ok]
-    return bool(first), names, []
-
-
-def _scan(model, data, loss_fn, y, sample_weight, batch_size, max_batches, skip, jit):
-    """The first non-finite batch: ``(index, batch, {"loss": bool, "variables": [...], ...})``."""
-    step = None
-    own = loss_fn is None
-    for index, batch in enumerate(batches(data, y, sample_weight, batch_size)):
-        if max_batches is not None and index >= skip + max_batches:
-            break
-        if index < skip:
-            continue
-        x, y_true, weights = batch
-        _ensure_built(model, x)
-        if step is None:
-            step = OwnStepScan(model, jit) if own else _compiled_step(model, loss_fn, jit)
-        bad_data = bool(nonfinite_data(batch))
-        try:
-            loss_ok, names, bad_logs = _run_scan_step(model, step, own, x, y_true, weights)
-        except Exception:
-            if not bad_data:
-                raise
-            loss_ok, names, bad_logs = False, [], []
-        if bad_data:
-            return index, batch, {"loss": not loss_ok, "variables": names, "data": True, "logs": bad_logs,
-                                  "state": _capsule_state(model), "own": own}
-        if loss_ok and not names:
-            continue
-        # The same step once more, on the same batch, weights and seeds: does it reproduce?
-        again_ok, again, _ = _run_scan_step(model, step, own, x, y_true, weights)
-        return index, batch, {"loss": not loss_ok, "variables": names, "logs": bad_logs,
-                              "state": _capsule_state(model), "own": own, "reproduced": not (again_ok and not again)}
-    return None
-
-
-def _capsule_state(model):
-    """Every variable the step may change, by path, as NumPy arrays (for the capsule)."""
-    from companion.diagnostics.capsule import variables_state  # noqa: PLC0415
-
-    return variables_state(model)
-
-
-def _compiled_step(model, loss_fn, jit):
-    """The scanning step: XLA (``jit=True``), a plain graph (``False``) or eager (``None``)."""
-    variables = list(model.trainable_variables)
-
-    def step(x, y_true, weights):
-        with tf.GradientTape() as tape:
-            y_pred = model(x, training=True)
-            value = loss_fn(x, y_true, y_pred, weights)
-        grads = tape.gradient(value, variables)
-        flags = [tf.constant(True) if g is None else all_finite([g]) for g in grads]
-        finite = tf.reduce_all(tf.math.is_finite(tf.cast(value, tf.float32)))
-        return finite, tf.stack(flags) if flags else tf.ones([0], tf.bool)
-
-    if jit is None:
-        return step
-    return tf.function(step, jit_compile=jit, reduce_retracing=True)
 
 
 def _input_diagnosis(index, bad, compiled) -> Diagnosis:
@@ -450,18 +189,9 @@ def _weights_diagnosis(model, index, compiled, losses_before) -> Diagnosis | Non
     return Diagnosis(
         batch=index, phase="weights", op=None, forward_op=None, layer=None, source=None,
         variables=tuple(compiled.get("variables", ())), dtype=dtype_name(value), inputs_summary=summary,
-        cause=name, fix=cause.fix, section=cause.section, symptom=_symptom(compiled),
+        cause=name, fix=cause.fix, section=cause.section, symptom=symptom(compiled),
     )
 
-
-def _symptom(compiled) -> str:
-    if compiled.get("own"):
-        if compiled.get("logs"):
-            return "non-finite " + ", ".join(compiled["logs"])
-        return "finite logs, non-finite values written"
-    if compiled.get("loss"):
-        return "non-finite loss"
-    return "finite loss, non-finite gradients"
 
 
 def _not_reproduced(index, compiled) -> Diagnosis:
@@ -470,7 +200,7 @@ def _not_reproduced(index, compiled) -> Diagnosis:
         batch=index, phase="loss" if compiled.get("loss") else "backward", op=None, forward_op=None,
         layer=None, source=None, variables=tuple(compiled.get("variables", ())), dtype=None,
         inputs_summary="the same step, run again on the same batch, weights and seeds, is finite",
-        cause="not_reproducible", fix=cause.fix, section=cause.section, symptom=_symptom(compiled),
+        cause="not_reproducible", fix=cause.fix, section=cause.section, symptom=symptom(compiled),
     )
 
 
@@ -481,7 +211,7 @@ def _rerun_failed(index, compiled, error, bad_variables=()) -> Diagnosis:
         batch=index, phase="loss" if compiled.get("loss") else "backward", op=None, forward_op=None,
         layer=None, source=None, variables=tuple(compiled.get("variables", ()) or bad_variables), dtype=None,
         inputs_summary="no op output of the op-by-op re-run was non-finite before it stopped",
-        cause="unclassified", fix=cause.fix, section=cause.section, symptom=_symptom(compiled),
+        cause="unclassified", fix=cause.fix, section=cause.section, symptom=symptom(compiled),
         mode_disagreement=(
             f"the compiled step is non-finite; run op by op it raised {type(error).__name__}: {first} "
             "(an eager kernel checks what the compiled kernel does not)"
@@ -505,7 +235,7 @@ def rerun_own(model, x, y_true, weights, tracer) -> tuple[OpTracer, bool, list[s
         logs_finite = all(bool(np.all(np.isfinite(np.asarray(tf.cast(v, tf.float32))))) for v in values)
         bad = [_variable_path(v) for v in written if nonfinite_mask(np.asarray(v.numpy())).any()]
     finally:
-        _restore(saved)
+        restore(saved)
         if tf_filtering:
             tf.debugging.enable_traceback_filtering()
         if keras_filtering:
@@ -519,7 +249,7 @@ def rerun(model, loss_fn, x, y_true, weights, tracer=None) -> tuple[OpTracer, bo
     tracer = OpTracer() if tracer is None else tracer
     tf_filtering = tf.debugging.is_traceback_filtering_enabled()
     keras_filtering = keras.config.is_traceback_filtering_enabled()
-    state = _state(model)
+    state = model_state(model)
     try:
         tf.debugging.disable_traceback_filtering()
         keras.config.disable_traceback_filtering()
@@ -532,7 +262,7 @@ def rerun(model, loss_fn, x, y_true, weights, tracer=None) -> tuple[OpTracer, bo
             tracer.stage = "backward"
             grads = tape.gradient(value, variables)
     finally:
-        _restore(state)
+        restore(state)
         if tf_filtering:
             tf.debugging.enable_traceback_filtering()
         if keras_filtering:
@@ -575,7 +305,7 @@ def _diagnose_batch(model, loss_fn, index, x, y_true, weights, compiled, jit, fa
             from_event(event, tracer, index, tuple(compiled.get("variables", ())), None, event.backward,
                        losses_before),
             mode_disagreement=f"the op-by-op re-run stopped after this op with {type(error).__name__}: {first}",
-            symptom=_symptom(compiled),
+            symptom=symptom(compiled),
         )
     eager_nonfinite = (not loss_finite) or bool(bad_variables)
     if own:
@@ -599,14 +329,14 @@ def _diagnose_batch(model, loss_fn, index, x, y_true, weights, compiled, jit, fa
             inputs_summary="every op of the op-by-op re-run is finite",
             cause="compiled_only", fix=cause.fix, section=cause.section,
             mode_disagreement=(
-                f"{_mode_names(jit)} is non-finite on batch {index} ({_symptom(compiled)}); "
+                f"{_mode_names(jit)} is non-finite on batch {index} ({symptom(compiled)}); "
                 "the op-by-op re-run is finite"
             ),
-            symptom=_symptom(compiled),
+            symptom=symptom(compiled),
         )
     if compiled.get("loss") != (not loss_finite) and fallback is None:
         disagreement = (
-            f"{_mode_names(jit)} has {_symptom(compiled)}; the op-by-op re-run has "
+            f"{_mode_names(jit)} has {symptom(compiled)}; the op-by-op re-run has "
             f"{'a non-finite loss' if not loss_finite else 'a finite loss, non-finite gradients'}"
         )
     if own:
@@ -623,42 +353,9 @@ def _diagnose_batch(model, loss_fn, index, x, y_true, weights, compiled, jit, fa
             batch=index, phase="backward" if loss_finite else "forward", op=None, forward_op=None, layer=None,
             source=None, variables=tuple(bad_variables), dtype=None, inputs_summary="no traced op output is non-finite",
             cause="unclassified", fix=cause.fix, section=cause.section, mode_disagreement=disagreement,
-            symptom=_symptom({"loss": not loss_finite}),
+            symptom=symptom({"loss": not loss_finite}),
         )
     found = from_event(event, tracer, index, tuple(bad_variables), disagreement, loss_finite, losses_before)
-    return replace(found, symptom=_symptom(compiled)) if own else found
+    return replace(found, symptom=symptom(compiled)) if own else found
 
 
-def from_event(event, tracer, index, variables, disagreement, loss_finite, losses_before) -> Diagnosis:
-    name, summary = classify(event, tracer.masked_selects, loss_finite=loss_finite)
-    if name in ("overflow", "inf_arithmetic", "unclassified") and grew(list(losses_before)):
-        name = "divergence"
-    record = event.record
-    where = event.forward if event.backward and event.forward is not None else record
-    phase = "backward" if event.backward else record.stage
-    if phase not in PHASES:
-        phase = "forward"
-    value = next(o for o in event.outputs if o is not None and o.size and nonfinite_mask(o).any())
-    cause = CAUSES[name]
-    fix = cause.fix
-    if name == "where_trap" and tracer.masked_selects:
-        select = tracer.masked_selects[0]
-        if select.filename:
-            fix += f" (the tf.where at {os.path.basename(select.filename)}:{select.lineno})"
-    return Diagnosis(
-        batch=index,
-        phase=phase,
-        op=record.op_type,
-        forward_op=event.forward_type,
-        layer=where.layer,
-        source=f"{where.filename}:{where.lineno}" if where.filename else None,
-        variables=tuple(variables),
-        dtype=dtype_name(value),
-        inputs_summary=summary,
-        cause=name,
-        fix=fix,
-        section=cause.section,
-        mode_disagreement=disagreement,
-        symptom=_symptom({"loss": not loss_finite}),
-        code=source_text(where.filename, where.lineno),
-    )

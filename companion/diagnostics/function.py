@@ -9,7 +9,7 @@ import numpy as np
 import tensorflow as tf
 
 from companion._gradients import gradient_values
-from companion.diagnostics.doctor import Diagnosis, from_event, keep_state
+from companion.diagnostics.diagnosis import Diagnosis, from_event, keep_state
 from companion.diagnostics.rewrites import choice, verify_clamp
 from companion.diagnostics.step import culprit
 from companion.diagnostics.trace import OpTracer, eager_trace, nonfinite_mask

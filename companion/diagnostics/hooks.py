@@ -30,7 +30,8 @@ import numpy as np
 import tensorflow as tf
 
 from companion import _internal
-from companion.diagnostics.doctor import Diagnosis, diagnose, replace
+from companion.diagnostics.diagnosis import Diagnosis, replace
+from companion.diagnostics.doctor import diagnose
 from companion.diagnostics.state import preserved
 from companion.diagnostics.step import uses_own_step
 

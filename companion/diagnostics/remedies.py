@@ -70,7 +70,9 @@ from companion.diagnostics.sources import layer_path
 from companion.diagnostics.state import restore, snapshot
 from companion.diagnostics.causes import grew
 from companion.diagnostics.rewrites import Clamp, choice, choose, verify_clamp
-from companion.diagnostics.step import logs_values, pack, step_variables, written_variables
+from companion.diagnostics.diagnosis import replace
+from companion.diagnostics.scan import compiled_step, run_scan_step
+from companion.diagnostics.step import OwnStepScan, logs_values, pack, step_variables, written_variables
 from companion.diagnostics.trace import nonfinite_mask
 
 __all__ = ["Steps", "choose", "verify"]
@@ -95,15 +97,12 @@ def _finite_step(model, loss_fn, x, y, w, eager: bool = False, graph: bool = Fal
     batch needs no trace, and a new ``tf.function`` per check would count as retracing
     the doctor's scanning step. ``graph``: a ``tf.function`` without XLA, for both.
     """
-    from companion.diagnostics.doctor import _compiled_step, _run_scan_step  # noqa: PLC0415
-    from companion.diagnostics.step import OwnStepScan  # noqa: PLC0415
-
     own = loss_fn is None
     if graph:
-        step = OwnStepScan(model, False) if own else _compiled_step(model, loss_fn, False)
+        step = OwnStepScan(model, False) if own else compiled_step(model, loss_fn, False)
     else:
-        step = OwnStepScan(model, None if eager else False) if own else _compiled_step(model, loss_fn, None)
-    ok, bad, _ = _run_scan_step(model, step, own, x, y, w)
+        step = OwnStepScan(model, None if eager else False) if own else compiled_step(model, loss_fn, None)
+    ok, bad, _ = run_scan_step(model, step, own, x, y, w)
     return ok and not bad
 
 
@@ -149,8 +148,6 @@ def verify(diagnosis: Any, model: Any, loss_fn: Any, x, y, w, steps: "Steps | No
             return diagnosis
         found = (remedy, None)
     remedy, verified = found
-    from companion.diagnostics.doctor import replace  # noqa: PLC0415
-
     return replace(diagnosis, remedy=remedy if remedy is not None else diagnosis.remedy, verified=verified)
 
 

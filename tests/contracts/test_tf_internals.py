@@ -253,7 +253,7 @@ PRIVATE_MODULES = ("tensorflow.python", "keras.src", "tensorflow.core")
 OWN_OBJECTS = ("self", "cls", "companion", "_internal", "network", "run", "os", "sys")
 NAME_FUNCTIONS = ("getattr", "setattr", "hasattr", "delattr")
 #: Private attributes companion itself puts on its own objects, read by name.
-OWN_PRIVATE_ATTRIBUTES = {"_capsule"}  # a Diagnosis's saved step (companion.diagnostics.doctor.keep_state)
+OWN_PRIVATE_ATTRIBUTES = {"_capsule"}  # a Diagnosis's saved step (companion.diagnostics.diagnosis.keep_state)
 
 
 def private_api_uses(source: str, where: str = "<source>") -> list[str]:
