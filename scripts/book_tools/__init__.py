@@ -12,7 +12,8 @@ module                      what it holds
 :mod:`.solutions`           exercises' solutions hidden until opened (``scripts/hide_solutions.py``)
 :mod:`.causes_table`        the API page's table of the doctor's causes, from ``CAUSES``
 :mod:`.refresh`             re-executing the chapters (``scripts/refresh_notebooks.py``)
-:mod:`.release`             the release workflow's checks and inputs (``scripts/release.py``)
+:mod:`.release`             the version rule, cutting a release, the release workflow's checks and
+                            inputs (``scripts/release.py``)
 :mod:`.zh`                  the Chinese edition: units, stores, glossary, tree, command
                             (``scripts/translate_book.py``)
 :mod:`.sphinx_zh`           the Sphinx extension that builds the Chinese edition with the English one
@@ -33,6 +34,8 @@ from .cells import (
     colab_cell_source,
     colab_install_spec,
     first_code_cell,
+    install_ref,
+    installed_ref,
     installed_url,
     is_colab_cell,
     shown_text_lines,
@@ -69,7 +72,7 @@ __all__ = [
     "API_PAGE", "BOOK", "CAUSES_TABLE_HEADER", "CODE_CELL_LINES", "CODE_WIDTH", "COLAB_MARKER", "COLAB_TAGS",
     "LINKED_PAGES", "ROOT", "SOLUTION_CLOSE", "SOLUTION_CODE_TAG", "SOLUTION_OPEN", "causes_table",
     "colab_cell_source", "colab_install_spec", "colab_launch_url", "config", "first_code_cell", "hide_solutions",
-    "html_baseurl", "installed_url", "is_colab_cell", "is_solution_code", "linked_pages", "notebooks",
+    "html_baseurl", "install_ref", "installed_ref", "installed_url", "is_colab_cell", "is_solution_code", "linked_pages", "notebooks",
     "package_version", "pages_url", "path_to_book", "rel", "repository_branch", "repository_url",
     "shown_text_lines", "solution_details", "solution_problems", "split_solution_text", "toc_sources",
     "with_causes_table",

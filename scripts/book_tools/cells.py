@@ -7,7 +7,8 @@ import re
 from . import settings
 
 # The first code cell of every chapter (the "install cell", historically the "Colab cell"): it
-# installs the matching release of `companion` wherever the package is not importable (Colab,
+# installs the code the chapter runs (`install_ref`: a release's tag, or on a development
+# version the repository's branch) wherever the package is not importable (Colab,
 # Kaggle, Binder, a downloaded notebook) and nothing otherwise. nbval skips it; the book
 # shows it collapsed (`hide-input`), so that a reader of the web page sees how to install.
 COLAB_TAGS = ["nbval-skip", "hide-input"]
@@ -49,26 +50,40 @@ def shown_text_lines(cell: dict) -> list[tuple[str, str]]:
     return lines
 
 
-def colab_install_spec(url: str | None = None, version: str | None = None) -> str:
-    """The pip requirement the Colab cell installs: the tagged release of this version."""
-    url = url or settings.repository_url()
+def install_ref(version: str | None = None) -> str:
+    """The git ref whose code a chapter of this tree runs, and so what its install cell installs.
+
+    A release (``0.2.0``) installs its tag, ``v0.2.0``; a development version (``0.2.0.dev0``: the
+    changes under CHANGELOG.md's *Unreleased*) installs the repository's branch
+    (``repository.branch`` of ``_config.yml``, ``main``), the code the chapters were run with.
+    The release's tag is made from the commit ``python scripts/release.py cut`` writes.
+    """
+    from .release import is_release
+
     version = version or settings.package_version()
-    return f"nan-gradients-companion @ git+{url}@v{version}"
+    return f"v{version}" if is_release(version) else settings.repository_branch()
+
+
+def colab_install_spec(url: str | None = None, version: str | None = None) -> str:
+    """The pip requirement the install cell and the install lines name: the code of :func:`install_ref`."""
+    url = url or settings.repository_url()
+    return f"nan-gradients-companion @ git+{url}@{install_ref(version)}"
 
 
 def colab_cell_source(url: str | None = None, version: str | None = None) -> str:
     """Source of the first code cell of every chapter: install `companion` if it is missing."""
-    name, release = colab_install_spec(url, version).split(" @ ")
-    # The release goes through a variable (IPython expands {release} in the magic's line)
-    # so that no line of the cell is wider than the book's 88 characters.
+    name, code = colab_install_spec(url, version).split(" @ ")
+    # The URL goes through a variable (IPython expands {code} in the magic's line) so that
+    # no line of the cell is wider than the book's 88 characters.
     return (
-        "# Installs companion, at the version this book was built with, where it is\n"
-        "# missing (Colab, Kaggle, Binder, a downloaded notebook); nothing otherwise.\n"
+        "# Installs companion, the code this notebook was run with (a release's tag, or the\n"
+        "# development branch), where it is missing (Colab, Kaggle, Binder, a downloaded\n"
+        "# notebook); nothing otherwise.\n"
         "import importlib.util\n"
         "\n"
         f"if {COLAB_MARKER}:\n"
-        f'    release = "{release}"\n'
-        f'    %pip install --quiet "{name} @ {{release}}"'
+        f'    code = "{code}"\n'
+        f'    %pip install --quiet "{name} @ {{code}}"'
     )
 
 
@@ -86,5 +101,55 @@ def first_code_cell(nb: dict) -> dict | None:
 
 def installed_url(cell_source: str) -> str | None:
     """The repository URL a Colab cell installs from, or None."""
-    match = re.search(r"git\+(\S+?)@v", cell_source)
+    match = re.search(r"git\+([^@\s\"]+)@", cell_source)
     return match.group(1) if match else None
+
+
+def installed_ref(cell_source: str) -> str | None:
+    """The git ref (tag or branch) an install cell installs, or None."""
+    match = re.search(r"git\+[^@\s\"]+@([\w./-]+)", cell_source)
+    return match.group(1) if match else None
+
+
+#: What a page spells that depends on the version: an install line, and a Colab link into the
+#: repository (README.md). Each names the ref of :func:`install_ref`; ``{url}`` and
+#: ``{owner_repo}`` are filled in from ``repository.url``.
+INSTALL_REF_PATTERNS = {
+    "an install line": r"(git\+{url}@)([\w.-]+(?:/[\w.-]+)*?)(?=[\"'\s`]|$)",
+    "a Colab link": r"(colab\.research\.google\.com/github/{owner_repo}/blob/)([\w.-]+)(?=/)",
+}
+#: The pages whose install lines and Colab links follow the version (the CHANGELOG's links are history).
+INSTALL_REF_PAGES = ("README.md", "companion/README.md", "book/**/*.md")
+
+
+def _install_ref_patterns() -> dict[str, re.Pattern]:
+    url = settings.repository_url()
+    owner_repo = re.sub(r"^https?://github\.com/", "", url).removesuffix(".git")
+    return {kind: re.compile(pattern.format(url=re.escape(url), owner_repo=re.escape(owner_repo)), re.M)
+            for kind, pattern in INSTALL_REF_PATTERNS.items()}
+
+
+def install_ref_pages() -> list:
+    pages = []
+    for pattern in INSTALL_REF_PAGES:
+        pages.extend(p for p in settings.ROOT.glob(pattern) if "_build" not in p.parts)
+    return sorted(pages)
+
+
+def install_refs_in_pages() -> list[tuple[object, list[tuple[str, str]]]]:
+    """(page, [(kind, ref), ...]) for every page of INSTALL_REF_PAGES that names a ref to install or open."""
+    found = []
+    for page in install_ref_pages():
+        text = page.read_text()
+        refs = [(kind, m.group(2)) for kind, pattern in _install_ref_patterns().items() for m in pattern.finditer(text)]
+        if refs:
+            found.append((page, refs))
+    return found
+
+
+def with_install_ref(text: str, ref: str | None = None) -> str:
+    """``text`` with every install line and Colab link naming ``ref`` (default :func:`install_ref`)."""
+    ref = ref or install_ref()
+    for pattern in _install_ref_patterns().values():
+        text = pattern.sub(lambda m: m.group(1) + ref, text)
+    return text

@@ -6,7 +6,9 @@
 Run it after changing `companion` code that a chapter shows (or the doctor's CAUSES: it
 rewrites the API page's table of them), after changing
 `repository.url` in `_config.yml` (it also rewrites the links in README.md and the book's
-pages) or the package version, and commit the result: the test
+pages) or the package version (the install cells, and the install lines and Colab links of
+README.md and the book's pages, name the code of the version: `cells.install_ref`), and
+commit the result: the test
 suite re-runs every chapter under nbval and fails when the committed outputs are stale.
 Notebooks run with the same environment as the tests (cwd = the notebook's folder,
 TensorFlow's C++ logging quiet), and stderr outputs are dropped: they are machine noise,
@@ -90,11 +92,26 @@ def sync_links(old_url: str, new_url: str) -> None:
             print(f"{page}: repository links now point to {new_url}")
 
 
+def sync_install_refs() -> list[str]:
+    """Point the install lines and Colab links of README.md, companion/README.md and the book's pages
+    at the code of this version (``cells.install_ref``: the release's tag, or the development branch).
+    Returns the pages rewritten."""
+    written = []
+    for page in cells.install_ref_pages():
+        text = page.read_text()
+        new_text = cells.with_install_ref(text)
+        if new_text != text:
+            page.write_text(new_text)
+            written.append(settings.rel(page))
+            print(f"{settings.rel(page)}: install lines and Colab links now name @{cells.install_ref()}")
+    return written
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("notebooks", nargs="*", type=pathlib.Path, help="default: every notebook under book/")
     parser.add_argument("--no-execute", action="store_true",
-                        help="only sync the Colab cells and the API page's causes table")
+                        help="only sync the install cells and lines and the API page's causes table")
     args = parser.parse_args(argv)
     paths = args.notebooks or settings.notebooks()
     new_url = settings.repository_url()
@@ -104,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         if old_url and old_url != new_url:
             sync_links(old_url, new_url)
             break
+    sync_install_refs()
     api = API_PAGE.read_text()
     if with_causes_table(api) != api:
         API_PAGE.write_text(with_causes_table(api))

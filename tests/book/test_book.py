@@ -55,8 +55,8 @@ def test_first_code_cell_installs_this_version_and_is_shown_collapsed(path):
     assert source == book_tools.colab_cell_source(), (
         f"{path.name}: the install cell is out of date; run `python scripts/refresh.py --no-execute`"
     )
-    pinned = re.search(r"@v(\d+\.\d+\.\d+\S*)\"", source).group(1)
-    assert pinned == companion.__version__
+    # the code of this version: its tag on a release, the development branch (`main`) before it
+    assert book_tools.installed_ref(source) == book_tools.install_ref(companion.__version__)
     assert book_tools.repository_url() in source
     tags = set(cell["metadata"].get("tags", []))
     assert "nbval-skip" in tags  # nbval does not run it: the tests use the checkout's package
@@ -98,10 +98,21 @@ def test_install_cell_is_valid_ipython_and_installs_nothing_where_companion_is_i
     assert _run_install_cell(monkeypatch, companion_importable=True) == []
 
 
-def test_install_cell_installs_this_release_wherever_companion_is_missing(monkeypatch):
+def test_install_cell_installs_this_version_wherever_companion_is_missing(monkeypatch):
     calls = _run_install_cell(monkeypatch, companion_importable=False)
     assert len(calls) == 1 and calls[0][0] == "pip"
     assert calls[0][1] == f'install --quiet "{book_tools.colab_install_spec()}"'
+
+
+def test_install_cell_names_the_tag_of_a_release_and_the_branch_of_a_development_version():
+    url = "https://github.com/o/r"
+    assert book_tools.colab_install_spec(url, "1.2.3") == f"nan-gradients-companion @ git+{url}@v1.2.3"
+    development = book_tools.colab_install_spec(url, "1.2.3.dev0")
+    assert development == f"nan-gradients-companion @ git+{url}@{book_tools.repository_branch()}"
+    for version, ref in (("1.2.3", "v1.2.3"), ("1.2.4.dev0", book_tools.repository_branch())):
+        source = book_tools.colab_cell_source(url, version)
+        assert book_tools.installed_ref(source) == ref and book_tools.installed_url(source) == url
+        assert max(len(line) for line in source.splitlines()) <= book_tools.CODE_WIDTH
 
 
 def test_install_cell_replaces_the_colab_only_cell_of_earlier_versions():

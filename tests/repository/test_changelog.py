@@ -1,4 +1,5 @@
-"""CHANGELOG.md describes the version the package and the Colab cells install."""
+"""CHANGELOG.md describes the version the package and the install cells install (tests/repository/test_versions.py:
+unreleased changes make a development version)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,17 @@ CHANGELOG = (book_tools.ROOT / "CHANGELOG.md").read_text()
 RELEASES = re.findall(r"^## \[(\d+\.\d+\.\d+[^\]]*)\] - (\S+)$", CHANGELOG, re.M)
 
 
-def test_top_released_version_is_the_package_version():
+def test_top_released_version_is_the_package_version_or_the_release_before_it():
+    """A release is the top dated section; a development version (unreleased changes) comes after it."""
+    from book_tools import release
+
     assert RELEASES, "CHANGELOG.md has no released version (`## [x.y.z] - YYYY-MM-DD`)"
-    assert RELEASES[0][0] == companion.__version__ == book_tools.package_version()
+    version = companion.__version__
+    assert version == book_tools.package_version()
+    if release.is_release(version):
+        assert RELEASES[0][0] == version and not release.unreleased_changes(CHANGELOG)
+    else:
+        assert release.parse_version(version)[:3] > release.parse_version(RELEASES[0][0])[:3]
 
 
 def test_releases_are_dated_and_newest_first():

@@ -8,6 +8,7 @@ import difflib
 import hashlib
 import json
 import pathlib
+import re
 
 from .. import settings
 from . import units
@@ -29,15 +30,33 @@ def _site_urls() -> list[tuple[str, str]]:
     return [(url, "<<REPOSITORY_URL>>"), (settings.pages_url(url), "<<PAGES_URL>>")]
 
 
+#: Stands for the git ref the install lines name (``cells.install_ref``: a release's tag, or the
+#: development branch) in the stores, so that releasing rewrites no translation.
+INSTALL_REF = "<<INSTALL_REF>>"
+
+
+def _install_line(ref: str) -> re.Pattern:
+    return re.compile(re.escape(f"git+<<REPOSITORY_URL>>@{ref}") + r"(?![\w./-])")
+
+
 def normalize(text: str) -> str:
     """``text`` with the site's URLs as placeholders: the stores hash and keep this form, so that a fork
-    (another ``repository.url``, links rewritten by ``refresh_notebooks.py``) needs no new translation."""
+    (another ``repository.url``, links rewritten by ``refresh_notebooks.py``) needs no new translation;
+    and the ref of an install line as one too, so that a release needs none either."""
     for real, placeholder in _site_urls():
         text = text.replace(real, placeholder)
+    if "git+<<REPOSITORY_URL>>@" in text:
+        from ..cells import install_ref
+
+        text = _install_line(install_ref()).sub(f"git+<<REPOSITORY_URL>>@{INSTALL_REF}", text)
     return text
 
 
 def denormalize(text: str) -> str:
+    if INSTALL_REF in text:
+        from ..cells import install_ref
+
+        text = text.replace(INSTALL_REF, install_ref())
     for real, placeholder in _site_urls():
         text = text.replace(placeholder, real)
     return text
