@@ -1,8 +1,9 @@
 """Input checks of :func:`companion.training.train`'s own arguments (``fit``'s and
 ``compile``'s are checked by ``fit`` and ``compile``, except where their messages do not
 say what is wrong: :func:`check_targets`), raised before any step runs with a message
-that says what was given and what is expected; a list of batches as a dataset; and an
-epoch's batches read again for the NaN doctor.
+that says what was given and what is expected (a model whose weights are not finite
+before the first step: :func:`check_finite_weights`); a list of batches as a dataset; and
+an epoch's batches read again for the NaN doctor.
 """
 
 from __future__ import annotations
@@ -14,11 +15,47 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from companion.diagnostics.state import components
 from companion.losses import check_keras_loss_shapes, resolve_loss
 
 #: What ``on_nonfinite`` may be: skip the step, raise at once, or apply every step
 #: unchecked, as ``fit`` does (no guard; for measuring what the guard costs).
 ON_NONFINITE = ("skip", "raise", "ignore")
+
+
+def check_finite_weights(model: keras.Model) -> None:
+    """Refuse a model whose weights hold a NaN or an Inf before training starts.
+
+    No training step cures such a weight: a guarded step skips every step (each one is
+    non-finite), and ``fit`` writes ``NaN`` into every weight the first update touches.
+    The usual sources are an initial value computed from the data: a bias set to the
+    log of a class prior that is 0, a data-dependent initialisation that divides by a
+    spread of 0. Each variable's first local copy is read, without any collective.
+
+    Args:
+        model: a Keras model (its variables are read; an unbuilt model has none).
+
+    Raises:
+        ValueError: naming each non-finite variable, how many of its entries are not
+            finite, and what to do.
+    """
+    bad = []
+    for variable in model.variables:
+        value = np.asarray(components(variable)[0].numpy())
+        if value.dtype.kind not in "fc":
+            continue
+        count = int(np.count_nonzero(~np.isfinite(value)))
+        if count:
+            path = getattr(variable, "path", None) or variable.name
+            bad.append(f"{path} ({count} of {value.size} entries)")
+    if bad:
+        raise ValueError(
+            f"model {model.name!r} has weights that are not finite before the first step: {', '.join(bad)}; "
+            "no training step can make them finite. Set them finite where they are set (an initializer, an "
+            "assign or set_weights before training: e.g. np.log(np.maximum(prior, eps)) for a log prior, "
+            "tf.math.divide_no_nan for a spread that can be 0); companion.diagnostics.diagnose names the "
+            "layer and the line"
+        )
 
 
 def _describe_spec(spec) -> str:

@@ -26,7 +26,9 @@ from companion.training.callbacks import CheckpointCallback, GuardCallback, asks
 from companion.training.patches import ModelPatches
 from companion.training.records import DoctorView
 from companion.training.step import GuardedStep, model_cache
-from companion.training.inputs import ON_NONFINITE, as_dataset, check_callbacks, check_targets, replay_batches
+from companion.training.inputs import (
+    ON_NONFINITE, as_dataset, check_callbacks, check_finite_weights, check_targets, replay_batches,
+)
 from companion.training.results import TrainingHistory, WorkerLostError
 
 #: The most steps one host call runs when ``train`` chooses ``steps_per_execution``.
@@ -256,6 +258,7 @@ def train(
                 "or compile the model first"
             )
         _build(model, x)
+        check_finite_weights(model)  # no step can cure a weight that starts NaN or Inf
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None and model.built and not optimizer.built and model.trainable_variables:
             optimizer.build(model.trainable_variables)  # as fit's symbolic build does
