@@ -172,6 +172,89 @@ def test_release_pin_branch_refuses_a_tag_that_is_not_the_version(tmp_path):
     assert yaml.safe_load((ROOT / "_config.yml").read_text())["repository"]["branch"] != "v0.0.0"
 
 
+# --- the release, dry run -------------------------------------------------------------------
+
+
+def _copy_of_the_tree(target):
+    """The checkout's tracked files as they are in the working tree (no .git): a tree to release."""
+    import shutil
+
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    listed = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z"], capture_output=True, check=True, timeout=60)
+    for name in listed.stdout.decode().split("\0"):
+        source = ROOT / name
+        if name and source.is_file():
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target / name)
+    return target
+
+
+@pytest.mark.slow
+def test_release_dry_run_cuts_the_next_release_and_starts_the_one_after_on_a_copy_of_the_tree(tmp_path):
+    """What a maintainer runs (CONTRIBUTING.md, "Releasing"), on a copy: `release.py cut` makes a tree that
+    the release workflow's check accepts and that keeps the version rule, and `dev` then makes main again."""
+    tree = _copy_of_the_tree(tmp_path / "tree")
+
+    def run(*args, stdin=None):
+        result = subprocess.run([sys.executable, str(tree / "scripts" / "release.py"), *args], cwd=tree,
+                                capture_output=True, text=True, timeout=300, input=stdin)
+        return result
+
+    version = book_tools.package_version()
+    major, minor, patch, _ = release.parse_version(version)
+    if release.is_release(version):  # just released: start the next one, with a change to release
+        following = f"{major}.{minor}.{patch + 1}"
+        assert run("dev", following).returncode == 0
+        changelog = tree / "CHANGELOG.md"
+        changelog.write_text(changelog.read_text().replace("## [Unreleased]\n", "## [Unreleased]\n\n- a change\n", 1))
+        version = f"{following}.dev0"
+    assert run("status").returncode == 0
+    next_release = release.release_of(version)
+    unreleased = release.unreleased_changes((tree / "CHANGELOG.md").read_text())
+    assert run("check", f"v{next_release}").returncode == 1  # a development version is not released
+
+    today = __import__("datetime").date.today().isoformat()
+    cut = run("cut", next_release)
+    assert cut.returncode == 0, cut.stdout + cut.stderr
+    assert f"git tag -a v{next_release}" in cut.stdout
+    # the release workflow's own steps, on the tag that would be pushed
+    assert run("check", f"v{next_release}").returncode == 0
+    notes = run("notes", f"v{next_release}")
+    assert notes.returncode == 0 and notes.stdout.strip() == unreleased
+    status = run("status")
+    assert status.returncode == 0, status.stdout
+    changelog = (tree / "CHANGELOG.md").read_text()
+    assert release.unreleased_changes(changelog) == ""
+    assert release.released_versions(changelog)[0] == (next_release, today)
+    url = book_tools.repository_url()
+    links = f"[Unreleased]: {url}/compare/v{next_release}...HEAD\n[{next_release}]: {url}/releases/tag/v{next_release}\n"
+    assert links in changelog
+    cff = yaml.safe_load((tree / "CITATION.cff").read_text())
+    assert cff["version"] == next_release and str(cff["date-released"]) == today
+    assert f'__version__ = "{next_release}"' in (tree / "companion" / "_version.py").read_text()
+    spec = f"nan-gradients-companion @ git+{url}@v{next_release}"
+    for notebook in (tree / "book").rglob("*.ipynb"):
+        assert f'code = "{spec.split(" @ ")[1]}"' in notebook.read_text().replace('\\"', '"'), notebook.name
+    readme = (tree / "README.md").read_text()
+    assert f'pip install "{spec}"' in readme and f"/blob/v{next_release}/book/" in readme
+    assert f'pip install "{spec}"' in (tree / "companion" / "README.md").read_text()
+    # the Chinese edition needs no new translation, and zh/ was rewritten with the English
+    zh = subprocess.run([sys.executable, str(tree / "scripts" / "translate_book.py"), "--check"], cwd=tree,
+                        capture_output=True, text=True, timeout=300)
+    assert zh.returncode == 0, zh.stdout + zh.stderr
+    assert f"@v{next_release}" in (tree / "zh" / "book" / "intro.md").read_text()
+    assert run("cut", next_release).returncode == 1  # nothing left to release
+
+    after = f"{major}.{minor}.{patch + 1}" if release.is_release(book_tools.package_version()) else next_release
+    following = ".".join(map(str, (*release.parse_version(after)[:2], release.parse_version(after)[2] + 1)))
+    dev = run("dev", following)
+    assert dev.returncode == 0, dev.stdout + dev.stderr
+    assert run("status").returncode == 0
+    assert f'pip install "nan-gradients-companion @ git+{url}@{book_tools.repository_branch()}"' in (
+        tree / "README.md").read_text()
+
+
 # --- contributor documents ------------------------------------------------------------------
 
 
