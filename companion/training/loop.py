@@ -25,6 +25,7 @@ from companion.training.cluster import PEER_FAILURES, Cluster, arm_exit_after_wo
 from companion.training.callbacks import CheckpointCallback, GuardCallback, asks_for_batch_hooks
 from companion.training.patches import ModelPatches
 from companion.training.records import DoctorView
+from companion.training.deferred import Undeferrable
 from companion.training.step import GuardedStep, model_cache
 from companion.training.inputs import (
     ON_NONFINITE, as_dataset, check_callbacks, check_finite_weights, check_targets, replay_batches,
@@ -309,11 +310,17 @@ def train(
 
 
 def _fit(model, x, y, step, patches, callbacks, fit_arguments, history, cluster, checkpoint, guard_callback):
-    for attempt in (0, 1):
+    attempt = 0
+    while True:
         step.install(patches)
         try:
             model.fit(x, y, callbacks=callbacks, **fit_arguments)
             return history
+        except Undeferrable:
+            if not step.deferred or history.steps:
+                raise
+            step.undeferrable(patches)  # traced again, with the masked update
+            continue
         except tf.errors.OpError as error:
             # Every collective of the run is inside this call: the steps', reading the
             # metrics for the logs (an eager all-reduce), the callbacks', validation's and
@@ -332,9 +339,9 @@ def _fit(model, x, y, step, patches, callbacks, fit_arguments, history, cluster,
                 )
                 model.jit_compile = False  # kept after the call: this model's step does not compile
                 step.forget_functions(patches)
+                attempt += 1
                 continue
             raise
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _check_model(model) -> None:

@@ -60,6 +60,8 @@ import tensorflow as tf
 
 from companion import _internal
 from companion._gradients import global_norm, nonfinite_counts, scale_gradient
+from companion.training.bounds import UpdateBound
+from companion.training.deferred import DeferredUpdate, Undeferrable, writes_of_step
 from companion.training.patches import ModelPatches
 from companion.training.records import APPLIED
 
@@ -122,6 +124,12 @@ class GuardedStep:
         self.original_test_step = model.test_step
         self.presummed = self.replicas > 1 and _internal.can_skip_optimizer_all_reduce(self.inner)
         self.masked = self.replicas == 1 and self.loss_scaler is None and guard
+        # One replica, no loss scaler: the model optimizer's update is deferred to the
+        # step's end and applied under one predicate, with no copy of what it writes
+        # (DeferredUpdate); off for a step that reads the weights after its update or
+        # writes them itself (found while tracing: the step is then traced again, masked).
+        self.deferred = self.masked and not model_cache(model).get("undeferrable")
+        self.bound = UpdateBound(self.inner, self.variables) if self.deferred and self.inner is not None else None
         self.mode = None  # how the update was compiled, known once traced
         self._slot = _TraceSlot()
         nvars = max(len(self.variables), 1)
@@ -187,6 +195,15 @@ class GuardedStep:
             getattr(self, "_test_function", None) if self.multi_worker else None,
         )
         patches.before_restore(self._keep_functions)
+        if self.bound is not None:
+            self.bound.measure()  # the weights and moments may have changed since the last call
+
+    def undeferrable(self, patches: ModelPatches) -> None:
+        """The step reads or writes what a deferred update writes: trace it again, masked
+        (and remember it for this model)."""
+        model_cache(self.model)["undeferrable"] = True
+        self.deferred = False
+        self.forget_functions(patches)
 
     def _keep_functions(self) -> None:
         self._train_function = getattr(self.model, "train_function", None)
@@ -242,16 +259,34 @@ class GuardedStep:
                     pass
         self.state = state = self._state()
         one = self.replicas == 1
+        deferred = self.deferred and not self.model.jit_compile
+        direct: list = []
+        if deferred:
+            # What the deferred update writes is never copied: the model's trainable
+            # variables and its optimizer's state.
+            direct = self._direct()
+            ids = {id(v) for v in direct}
+            state = [v for v in state if id(v) not in ids]
         saved = [_read(v) for v in state]  # each replica its own copy
         written = _read(self.written) if one else tf.convert_to_tensor(self.written)
         consecutive = _read(self.consecutive) if one else tf.convert_to_tensor(self.consecutive)
         halted = tf.raw_ops.GreaterEqual(x=consecutive, y=tf.constant(self.limit, tf.int32))
         slot.active, slot.loss, slot.multiplier_fn, slot.record, slot.halted = True, None, None, None, halted
         slot.late, slot.grads, slot.norms = [], {}, []
+        slot.deferred, slot.after_apply = deferred, None
+        graph = tf.compat.v1.get_default_graph()
+        first = len(graph.get_operations())
         try:
             logs = self.original_step(data)
         finally:
             slot.active = False
+        if deferred:
+            # Only what the step itself wrote is put back (a batch-norm statistic, a
+            # metric, another optimizer's state); the step must neither write what the
+            # deferred update writes nor read it after its apply.
+            touched = writes_of_step(graph, first, len(graph.get_operations()), slot.after_apply, state, direct)
+            saved = [value for v, value in zip(state, saved) if id(v) in touched]
+            state = [v for v in state if id(v) in touched]
         record = slot.record
         loss = self._global_loss(slot) if slot.loss is not None else self._logged_loss(logs)
         if record is None:  # the model's optimizer applied nothing (another one may have)
@@ -274,6 +309,10 @@ class GuardedStep:
                 bad = tf.cast(tf.logical_not(finite), tf.float32)
                 finite = context.all_reduce(tf.distribute.ReduceOp.SUM, bad) < 0.5
             applied = tf.raw_ops.LogicalAnd(x=applied, y=finite)
+            if isinstance(slot.deferred, DeferredUpdate):
+                # The update runs only now, and only if everything above is finite and
+                # it is proved (or, tested on a copy, found) finite itself.
+                applied = slot.deferred.run(applied, self._direct())
         self._put_back(restored, applied, now)
         counts = self._counts(slot) if self.guard and self.variables else None
         row = tf.stack([tf.cast(loss, tf.float32), tf.cast(norm, tf.float32), tf.cast(applied, tf.float32), scale])
@@ -448,6 +487,8 @@ class GuardedStep:
                 if not slot.active:
                     return apply(grads, trainable_variables)
                 if slot.record is not None:  # a second apply of the same optimizer
+                    if isinstance(slot.deferred, DeferredUpdate):
+                        raise Undeferrable("the step calls the optimizer's apply twice")
                     return self._noted_apply(optimizer, apply, grads, trainable_variables)
                 return self._apply(apply, list(grads), trainable_variables)
 
@@ -497,7 +538,7 @@ class GuardedStep:
             # As Keras' apply would, but before the update is traced (masked or not).
             with tf.init_scope():
                 self.optimizer.build(trainable_variables)
-            if self.guard:
+            if self.guard and not slot.deferred:
                 slot.late.extend((v, _read(v)) for v in self._optimizer_state())
         # Gradients arrive multiplied by what scale_loss multiplied the loss by (the
         # dynamic loss scale, the optimizer's loss_scale_factor).
@@ -528,6 +569,13 @@ class GuardedStep:
                 slot.grads[id(v)] = g
 
         scale = self._scale()  # before the update may change it
+        if slot.deferred:
+            bound = norm if self.clip is None else tf.minimum(norm, self.clip)
+            slot.deferred = DeferredUpdate(self, apply, update, trainable_variables, bound)
+            slot.after_apply = len(tf.compat.v1.get_default_graph().get_operations())
+            slot.record = (loss, norm, tf.raw_ops.LogicalNot(x=slot.halted), scale, None)
+            self.mode = "deferred"
+            return self.optimizer.iterations
         if self.presummed:
             with _internal.optimizer_all_reduce_skipped(self.inner):
                 self._update(apply, update, trainable_variables, applied)
@@ -542,6 +590,17 @@ class GuardedStep:
             return list(self.optimizer.variables)
         scale = {id(self.loss_scaler.dynamic_scale), id(self.loss_scaler.step_counter)}
         return [v for v in self.optimizer.variables if id(v) not in scale]
+
+    def _direct(self) -> list:
+        """What a deferred update writes: the model's trainable variables and its
+        optimizer's state (no copy of them is ever made on the untested path)."""
+        found, seen = [], set()
+        optimizer_state = self._optimizer_state() if self.optimizer is not None and self.optimizer.built else []
+        for v in [*self.model.trainable_variables, *optimizer_state]:
+            if id(v) not in seen:
+                seen.add(id(v))
+                found.append(v)
+        return found
 
     def _run_apply(self, apply, grads, variables):
         return apply(grads, variables)
