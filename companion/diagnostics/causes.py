@@ -52,6 +52,15 @@ CAUSES: dict[str, Cause] = {
         "fit) skips non-finite steps and keeps the weights finite; reload a checkpoint",
         "book/tools/training_loop#a-run-with-skipped-steps",
     ),
+    "nonfinite_init": Cause(
+        "a weight is NaN or Inf before any training step: its initializer or a value "
+        "assigned before training set it (a bias of log(0) for a class prior of 0, a "
+        "data-dependent initialisation dividing by a spread of 0); no step can cure it",
+        "make the initial value finite where it is set: np.log(np.maximum(prior, eps)) for "
+        "a log prior, tf.math.divide_no_nan for a spread that can be 0, and check it with "
+        "np.isfinite (companion.training.train refuses such a model)",
+        f"{_CHECKLIST}#a-nan-loss-from-the-first-step-the-data",
+    ),
     "log_of_zero": Cause(
         "log of 0: -Inf forward, and 1/0 in its gradient (often cross-entropy on "
         "probabilities that reach 0 or 1)",
@@ -373,6 +382,7 @@ RULES: tuple[Rule, ...] = (
 RECOGNISED_ELSEWHERE: dict[str, str] = {
     "nonfinite_input": "companion.diagnostics.doctor (the batch is checked before the re-run)",
     "nonfinite_weights": "companion.diagnostics.doctor (the weights are checked before the re-run)",
+    "nonfinite_init": "companion.diagnostics.doctor and .initial (the weights, before any step)",
     "where_trap": "classify (a masked tf.where above a failing gradient)",
     "overflow": "_output_cause (an infinite output from finite inputs)",
     "inf_arithmetic": "_output_cause (0 * Inf, Inf - Inf, a fully masked row)",

@@ -27,9 +27,11 @@ from companion.diagnostics.causes import CAUSES, grew
 from companion.diagnostics.data import Replay, nonfinite_data
 from companion.diagnostics.diagnosis import Diagnosis, from_event, keep_state, replace, symptom
 from companion.diagnostics.gradients import _variable_path
+from companion.diagnostics.initial import before_any_step, describe, nonfinite_variables
 from companion.diagnostics.locate import dtype_name
 from companion.diagnostics.remedies import verify
 from companion.diagnostics.scan import loss_function, model_state, scan
+from companion.diagnostics.sources import source_text
 from companion.diagnostics.state import restore, snapshot
 from companion.diagnostics.step import culprit, pack, step_variables, uses_own_step, written_variables
 from companion.diagnostics.step import logs_values as _logs_values
@@ -173,14 +175,20 @@ def _input_diagnosis(index, bad, compiled) -> Diagnosis:
 
 
 def _weights_diagnosis(model, index, compiled, losses_before) -> Diagnosis | None:
-    bad = []
-    for variable in model.variables:
-        value = np.asarray(variable.numpy())
-        if value.dtype.kind in "fcV" and nonfinite_mask(value).any():
-            bad.append((_variable_path(variable), value))
+    bad = nonfinite_variables(model)
     if not bad:
         return None
-    path, value = bad[0]
+    if not losses_before and before_any_step(model):  # set so before training: no step cures it
+        found, summary = describe(model, bad)
+        cause = CAUSES["nonfinite_init"]
+        return Diagnosis(
+            batch=index, phase="weights", op=None, forward_op=None, layer=found.layer,
+            source=f"{found.filename}:{found.lineno}" if found.filename else None,
+            variables=tuple(_variable_path(v) for v, _ in bad), dtype=dtype_name(bad[0][1]),
+            inputs_summary=summary, cause="nonfinite_init", fix=cause.fix, section=cause.section,
+            symptom=symptom(compiled), code=source_text(found.filename, found.lineno),
+        )
+    path, value = _variable_path(bad[0][0]), bad[0][1]
     summary = f"{int(nonfinite_mask(value).sum())} of {value.size} entries of {path} are not finite"
     if len(bad) > 1:
         summary += f" (and {len(bad) - 1} more variable{'s' if len(bad) > 2 else ''})"
@@ -191,7 +199,6 @@ def _weights_diagnosis(model, index, compiled, losses_before) -> Diagnosis | Non
         variables=tuple(compiled.get("variables", ())), dtype=dtype_name(value), inputs_summary=summary,
         cause=name, fix=cause.fix, section=cause.section, symptom=symptom(compiled),
     )
-
 
 
 def _not_reproduced(index, compiled) -> Diagnosis:

@@ -59,6 +59,7 @@ from typing import Any, Callable, Iterable
 
 import contextlib
 import dataclasses
+import os
 
 import keras
 import numpy as np
@@ -66,6 +67,7 @@ import tensorflow as tf
 
 from companion import _internal
 from companion.diagnostics.data import nonfinite_data
+from companion.diagnostics.gradients import _variable_path
 from companion.diagnostics.sources import layer_path
 from companion.diagnostics.state import restore, snapshot
 from companion.diagnostics.causes import grew
@@ -174,6 +176,8 @@ def _verify(d, model, loss_fn, x, y, w, steps=None):
         return choose(d), ("verified: the step is finite with jit_compile=False (the same step compiled "
                            "without XLA)" if finite else
                            "not verified: the step compiled without XLA (jit_compile=False) is still non-finite")
+    if d.cause == "nonfinite_init":
+        return _verify_initial(d, model, loss_fn, x, y, w)
     if d.cause == "nonfinite_input":
         rows = _rows((x, y, w))
         if rows is None or not len(rows):
@@ -192,6 +196,28 @@ def _verify(d, model, loss_fn, x, y, w, steps=None):
     if remedy is None or clamp is None:
         return None
     return remedy, _verify_clamp(d, clamp, model, loss_fn, x, y, w)
+
+
+def _verify_initial(d, model, loss_fn, x, y, w):
+    """A weight non-finite before any step: its non-finite entries set to 0, and the step re-run."""
+    bad = [v for v in model.variables if _variable_path(v) in set(d.variables)]
+    if not bad:
+        return None
+    at = f"at {os.path.basename(d.source.rpartition(':')[0])}:{d.source.rpartition(':')[2]}: " if d.source else ""
+    names = ", ".join(_variable_path(v) for v in bad)
+    remedy = (f"{at}set {names} finite where it is set: value -> np.nan_to_num(value, nan=0.0, posinf=0.0, "
+              "neginf=0.0) (a class with a prior of 0 gets a bias of 0, a spread of 0 a scale of 0)")
+    saved = snapshot(bad)
+    try:
+        for variable in bad:
+            value = np.asarray(variable.numpy())
+            variable.assign(np.nan_to_num(value, nan=0.0, posinf=0.0, neginf=0.0).astype(value.dtype))
+        finite = _finite_step(model, loss_fn, x, y, w)
+    finally:
+        restore(saved)
+    what = f"the non-finite entries of {names} set to 0"
+    return remedy, (f"verified: the step is finite with {what}" if finite
+                    else f"not verified: the step is still non-finite with {what}")
 
 
 # --------------------------------------------------------------------------------------
@@ -257,7 +283,7 @@ def _clipnorm(optimizer, value: float):
     try:
         yield
     finally:
-        optimizer.clipnorm, optimizer.global_clipnorm, optimizer.clipvalue = before
+        pass
 
 
 def _rerun_steps(model, steps: Steps, change) -> tuple[bool, int, str | None]:
@@ -267,8 +293,15 @@ def _rerun_steps(model, steps: Steps, change) -> tuple[bool, int, str | None]:
     calls a run a divergence, :func:`~companion.diagnostics.causes.grew`) though every
     step was finite, with its first and last values; else ``None``. Every variable a
     step writes (and the random generators' states) is put back afterwards, and
-    ``change`` is undone, also on an error.
+    ``change`` is undone, also on an error. An optimizer that has not stepped yet is
+    built first, as ``fit`` builds it before its first step, so that its slots are in
+    the snapshot (built by the re-run, they would keep the re-run's values).
     """
+    optimizer = getattr(model, "optimizer", None)
+    if isinstance(optimizer, keras.optimizers.Optimizer) and not optimizer.built:
+        strategy = getattr(model, "distribute_strategy", None)
+        with strategy.scope() if strategy is not None else contextlib.nullcontext():
+            optimizer.build(model.trainable_variables)
     saved = snapshot(step_variables(model))
     history: dict[str, list[float]] = {}
     try:

@@ -25,6 +25,7 @@ TABLE = "book/closing/checklist#common-sources-each-in-a-few-lines"
 SHOWS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "nonfinite_input": (("data", "0/0"), ("np.isfinite", "divide_no_nan")),
     "nonfinite_weights": (("skipped", "weights finite"), ("train(", "on_nonfinite")),
+    "nonfinite_init": (("initializer", "log of a zero prior"), ("divide_no_nan", "np.isfinite")),
     "log_of_zero": (("log",), ("xlogy", "from logits")),
     "singular_derivative": (("norm at 0", "acos at 1"), ("double_where", "clip into (-1, 1)")),
     "pow_negative_base": (("-2.0", "negative"), ("signed_pow",)),
@@ -40,7 +41,11 @@ SHOWS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 
 #: Causes whose example no chapter shows yet (a chapter's notebook has to gain it).
-MISSING_EXAMPLE = {"not_reproducible": "no chapter shows a NaN that does not reproduce on a re-run"}
+MISSING_EXAMPLE = {
+    "not_reproducible": "no chapter shows a NaN that does not reproduce on a re-run",
+    "nonfinite_init": "the checklist's first-step section shows 0/0 in the data's standardisation, not yet "
+    "a weight initialised to it (issue 42, item 8)",
+}
 
 
 def _anchor(heading: str) -> str:

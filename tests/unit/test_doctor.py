@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import pathlib
 import re
@@ -166,7 +167,13 @@ def test_diagnose_checks_inputs_and_weights_before_the_op_by_op_run():
     assert (d.batch, d.phase, d.cause, d.op) == (3, "input", "nonfinite_input", None)
     assert d.inputs_summary == "1 of 4 entries of y are not finite (1 NaN); row 1"
     model = root_model()
-    model.get_layer("head").kernel.assign([[np.inf]])
+    model.get_layer("head").kernel.assign([[np.inf]])  # set before any step: no step can cure it
+    d = diagnose(model, (np.ones((4, 1), "float32"), np.ones((4, 1), "float32")), "mse")
+    assert (d.phase, d.cause, d.layer, d.variables) == ("weights", "nonfinite_init", "net/head", ("net/head/kernel",))
+    assert d.inputs_summary.startswith("1 of 1 entries of net/head/kernel are +Inf before any training step")
+    assert d.source == f"{__file__}:{inspect.currentframe().f_lineno - 4}"
+    model.compile(optimizer="sgd", loss="mse")
+    model.optimizer.iterations.assign(1)  # a step has run: a step wrote it
     d = diagnose(model, (np.ones((4, 1), "float32"), np.ones((4, 1), "float32")), "mse")
     assert (d.phase, d.cause) == ("weights", "nonfinite_weights")
     assert d.inputs_summary.startswith("1 of 1 entries of net/head/kernel are not finite")
