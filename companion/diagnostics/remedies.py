@@ -283,7 +283,7 @@ def _clipnorm(optimizer, value: float):
     try:
         yield
     finally:
-        pass
+        optimizer.clipnorm, optimizer.global_clipnorm, optimizer.clipvalue = before
 
 
 def _rerun_steps(model, steps: Steps, change) -> tuple[bool, int, str | None]:
