@@ -457,6 +457,8 @@ def test_off_linux_isolation_is_unavailable_and_says_why(monkeypatch):
 # Supervision: who failed first and why; restarting the group
 # --------------------------------------------------------------------------------------
 
+# Each worker appends its attempt number and the network namespace it runs in
+# ("net:[4026532178]", as the kernel names it) to <out>/attempts-<i>.txt.
 FLAKY = textwrap.dedent(
     """
     import json, os, pathlib, sys
@@ -464,7 +466,7 @@ FLAKY = textwrap.dedent(
     out = pathlib.Path(sys.argv[1])
     restart = os.environ["COMPANION_RESTART_COUNT"]
     with open(out / f"attempts-{index}.txt", "a") as file:
-        file.write(restart + "\\n")
+        file.write(restart + " " + os.readlink("/proc/self/ns/net") + "\\n")
     marker = out / "failed-once"
     if index == 1 and (sys.argv[2] == "always" or not marker.exists()):
         marker.touch()
@@ -474,34 +476,92 @@ FLAKY = textwrap.dedent(
 
 
 def flaky(tmp_path, mode: str, **options):
+    """Launch FLAKY; returns the result, and per worker its attempt numbers and namespaces."""
     script = tmp_path / "flaky.py"
     script.write_text(FLAKY)
     result = launch(script, 2, [str(tmp_path), mode], timeout=60, grace=5, **options)
-    attempts = [(tmp_path / f"attempts-{i}.txt").read_text().split() for i in range(2)]
-    return result, attempts
+    lines = [(tmp_path / f"attempts-{i}.txt").read_text().splitlines() for i in range(2)]
+    attempts = [[line.split()[0] for line in worker] for worker in lines]
+    namespaces = [[line.split()[1] for line in worker] for worker in lines]
+    return result, attempts, namespaces
+
+
+def assert_every_attempt_ran_isolated(result, namespaces) -> None:
+    """Every attempt of the launch, restarts included, ran in a private network namespace.
+
+    Not only what the result says (``isolated``, ``network_namespace``) but what each
+    worker saw: its /proc/self/ns/net is its attempt's namespace, not this process's.
+    """
+    mine = os.readlink("/proc/self/ns/net")
+    every = (*result.failed_attempts, result)
+    assert all(len(worker) == len(every) for worker in namespaces), (namespaces, result.restarts)
+    for number, attempt in enumerate(every):
+        assert attempt.isolated, f"attempt {number} ran on this machine's network: {attempt}"
+        assert attempt.network_namespace is not None and attempt.network_namespace != mine
+        seen = [worker[number] for worker in namespaces]
+        assert seen == [attempt.network_namespace] * len(namespaces), (number, seen, mine)
 
 
 def test_a_group_whose_worker_fails_once_is_restarted_and_then_succeeds(tmp_path):
-    result, attempts = flaky(tmp_path, "once", max_restarts=2)
+    result, attempts, namespaces = flaky(tmp_path, "once", max_restarts=2)
     assert result.ok and result.restarts == 1, outputs(result)
     first = result.failed_attempts[0]
     assert first.first_failure.index == 1 and first.first_failure.returncode == 1
     assert first.failure.startswith("worker 1 failed first: exit code 1 after")
     assert attempts == [["0", "1"], ["0", "1"]]  # both workers ran twice, told which attempt
+    assert_every_attempt_ran_isolated(result, namespaces)  # the restart too
 
 
 def test_without_restarts_the_failure_names_the_worker_and_its_exit_code(tmp_path):
-    result, attempts = flaky(tmp_path, "once")
+    result, attempts, namespaces = flaky(tmp_path, "once")
     assert not result.ok and result.restarts == 0 and attempts == [["0"], ["0"]]
+    assert_every_attempt_ran_isolated(result, namespaces)
     assert result.returncode == 1 and result.first_failure.index == 1
     assert result.failure.startswith("worker 1 failed first: exit code 1 after")
 
 
 def test_restarts_stop_after_max_restarts(tmp_path):
-    result, attempts = flaky(tmp_path, "always", max_restarts=2)
+    result, attempts, namespaces = flaky(tmp_path, "always", max_restarts=2)
     assert not result.ok and result.restarts == 2 and result.returncode == 1
     assert attempts == [["0", "1", "2"], ["0", "1", "2"]]
     assert [a.first_failure.index for a in (*result.failed_attempts, result)] == [1, 1, 1]
+    assert_every_attempt_ran_isolated(result, namespaces)  # each restart as the first attempt
+
+
+def test_where_no_namespace_can_be_made_the_allowed_exposure_holds_for_the_restarts_too(no_namespaces, tmp_path):
+    # The first attempt ran on this machine's network, by the caller's choice: a restart
+    # does the same (after the one warning), rather than failing for want of a namespace.
+    with pytest.warns(RuntimeWarning, match="on this machine's network") as caught:
+        result, attempts, namespaces = flaky(tmp_path, "once", max_restarts=1, allow_network_exposure=True)
+    assert result.ok and result.restarts == 1 and attempts == [["0", "1"], ["0", "1"]], outputs(result)
+    assert len(caught) == 1
+    assert not any(a.isolated or a.network_namespace for a in (*result.failed_attempts, result))
+    assert namespaces == [[os.readlink("/proc/self/ns/net")] * 2] * 2
+
+
+@pytest.mark.skipif(not LINUX, reason="network namespaces are a Linux feature")
+def test_a_restart_that_cannot_be_isolated_raises_instead_of_running_exposed(monkeypatch, tmp_path):
+    # The first attempt was isolated, so isolation works here: a restart whose namespace
+    # cannot be made is an error, even with allow_network_exposure=True (that accepts a
+    # machine without namespaces, not a job that loses its own halfway).
+    made = []
+
+    def once():
+        if made:
+            raise launch_network._Unavailable("simulated: no second namespace")
+        made.append(launch_network._Namespace())
+        return made[-1]
+
+    monkeypatch.setattr(launch_network, "_create_namespace", once)
+    monkeypatch.setattr(launch_network, "_exposure_warned", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no exposure warning either
+        with pytest.raises(NetworkIsolationError, match="simulated: no second namespace"):
+            flaky(tmp_path, "once", max_restarts=1, allow_network_exposure=True)
+    assert len(made) == 1
+    for index in range(2):  # the workers ran once, isolated; no restart was started
+        lines = (tmp_path / f"attempts-{index}.txt").read_text().splitlines()
+        assert lines == [f"0 {made[0].name}"] and made[0].name != os.readlink("/proc/self/ns/net")
 
 
 def test_a_worker_killed_by_a_signal_is_reported_with_the_signal(script):
@@ -580,7 +640,8 @@ TRAINING = textwrap.dedent(
             os.kill(os.getpid(), signal.SIGKILL)
     history = run(4)
     with open(os.path.join(out, f"worker-{worker}-restart-{restart}.json"), "w") as file:
-        json.dump({"steps": len(history.step_loss), "iterations": int(optimizer.iterations.numpy())}, file)
+        json.dump({"steps": len(history.step_loss), "iterations": int(optimizer.iterations.numpy()),
+                   "namespace": os.readlink("/proc/self/ns/net")}, file)
     """
 )
 
@@ -602,6 +663,8 @@ def test_a_restarted_training_job_resumes_from_its_checkpoint(tmp_path):
     # The restart ran epochs 3 and 4 only, after the checkpoint of epoch 2.
     epochs = [line for line in result.workers[0].output.splitlines() if line.startswith("Epoch ")]
     assert epochs == ["Epoch 3/4", "Epoch 4/4"], result.workers[0].output[-2000:]
+    # Both attempts in a private network; the restart's workers in the one it reports.
+    assert crashed.isolated and result.isolated and result.network_namespace != os.readlink("/proc/self/ns/net")
     for index in range(2):
         report = json.loads((tmp_path / f"worker-{index}-restart-1.json").read_text())
-        assert report == {"steps": 4 * 4, "iterations": 4 * 4}
+        assert report == {"steps": 4 * 4, "iterations": 4 * 4, "namespace": result.network_namespace}
