@@ -11,10 +11,15 @@ The package, one idea per module:
 * ``results``: :class:`TrainingHistory`, :class:`SkippedStep`, :class:`NonFiniteError`,
   :class:`WorkerLostError`.
 * ``inputs``: the checks of :func:`train`'s own arguments.
+* ``step``: the guarded ``train_step`` installed in ``fit`` (:class:`~companion.training.step.GuardedStep`).
+* ``deferred``: the model optimizer's update run at the step's end, under one predicate,
+  with no copy of the weights or the optimizer's state; ``bounds``: the proof, from
+  running bounds, that an update of Keras' SGD, Adam, AdamW or Lion is finite.
 * ``masking``: every variable write of an update traced as a select (used by
-  ``benchmarks/conditional_update.py``; the guard selects at the step's end).
-* ``guard``: the guarded ``train_step`` installed in ``fit``, and the callback that
-  reads its records after every host call.
+  ``benchmarks/conditional_update.py``; the masked step selects at the step's end).
+* ``records``: the step's records read on the host, the error, the doctor's view;
+  ``callbacks``: the guard's and the checkpoint's callbacks; ``patches``: everything
+  :func:`train` changes on a model, and how it is put back.
 * ``checkpoints``: epoch-end checkpoints and resuming.
 * ``cluster``: the workers of a multi-worker run.
 * ``loop``: :func:`train` itself (compile, install the guard, ``fit``, clean up).

@@ -81,6 +81,8 @@ class UpdateBound:
         with tf.init_scope():
             self.weights = tf.Variable(np.inf, dtype=tf.float32, trainable=False, name="guard_weight_bound")
             self.slots = tf.Variable(np.inf, dtype=tf.float32, trainable=False, name="guard_slot_bound")
+            #: How many updates took the tested path (the proof failed, or is off).
+            self.tested = tf.Variable(0, dtype=tf.int64, trainable=False, name="guard_tested_updates")
 
     def _slots(self) -> list:
         """The optimizer's per-weight state (moments, momentums), not its counters."""
@@ -100,6 +102,7 @@ class UpdateBound:
 
     def remeasure(self):
         """Inside the step (the tested path): ``W`` and ``M`` measured again."""
+        self.tested.assign_add(1)
         if self.enabled:
             self._assign_measured()
         return tf.constant(True)

@@ -89,13 +89,19 @@ class DeferredUpdate:
     def _update(self) -> None:
         self.step._run_apply(self.apply, self.grads, self.variables)
 
+    def prove(self) -> tf.Tensor:
+        """Whether the update is proved finite (:mod:`companion.training.bounds`)."""
+        self.proved, self._advance = self.step.bound.prove(self.gradient_bound, self.step.inner.learning_rate)
+        return self.proved
+
     def run(self, finite, direct) -> tf.Tensor:
         """The update, if ``finite``: proved finite, or tested on a copy and put back if it
         is not. Returns whether it was applied."""
         from companion.training.step import SELECT_LIMIT, _all_finite, _entries, _read
 
         bound = self.step.bound
-        proved, advance = bound.prove(self.gradient_bound, self.step.inner.learning_rate)
+        proved = self.proved if hasattr(self, "proved") else self.prove()
+        advance = self._advance
 
         def untested():
             self._update()
@@ -120,4 +126,6 @@ class DeferredUpdate:
         def skip():
             return tf.constant(False)
 
-        return tf.cond(finite, lambda: tf.cond(proved, untested, tested), skip)
+        # One conditional on the usual path (finite and proved), so that each gradient is
+        # freed as its variable's update consumes it; the tested path nests a second.
+        return tf.cond(tf.logical_and(finite, proved), untested, lambda: tf.cond(finite, tested, skip))

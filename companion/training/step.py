@@ -6,6 +6,11 @@ validation, ``steps_per_execution``, ``History``. What ``train`` adds is a guard
 model's own ``train_step`` (Keras', or the user's override: a GAN's, a VAE's, Keras'
 guide's) and decides, after it, whether the step counts.
 
+* On one replica, without XLA or a loss scaler, the model optimizer's update is
+  deferred to the step's end and run under one predicate, with no copy of the weights
+  or of the optimizer's state (:mod:`companion.training.deferred`); only the small state
+  the step writes itself is read before it and put back. Otherwise (and for a step that
+  reads or writes what the update writes, traced again):
 * Before the step, the values of every variable a step may write are read (under
   several replicas, each replica its own copy): every variable of the model (weights,
   non-trainable state such as batch-norm statistics, the metrics) and of every
@@ -309,12 +314,17 @@ class GuardedStep:
                 bad = tf.cast(tf.logical_not(finite), tf.float32)
                 finite = context.all_reduce(tf.distribute.ReduceOp.SUM, bad) < 0.5
             applied = tf.raw_ops.LogicalAnd(x=applied, y=finite)
-            if isinstance(slot.deferred, DeferredUpdate):
-                # The update runs only now, and only if everything above is finite and
-                # it is proved (or, tested on a copy, found) finite itself.
-                applied = slot.deferred.run(applied, self._direct())
-        self._put_back(restored, applied, now)
         counts = self._counts(slot) if self.guard and self.variables else None
+        if self.guard and isinstance(slot.deferred, DeferredUpdate):
+            # The NaN/Inf counts of a step that may be skipped, written before the update
+            # so that no gradient outlives its variable's update; then the update, only
+            # if everything above is finite and it is proved (or, tested on a copy,
+            # found) finite itself.
+            if counts is not None:
+                self._write_counts(counts, written, tf.logical_and(applied, slot.deferred.prove()))
+                counts = None
+            applied = slot.deferred.run(applied, self._direct())
+        self._put_back(restored, applied, now)
         row = tf.stack([tf.cast(loss, tf.float32), tf.cast(norm, tf.float32), tf.cast(applied, tf.float32), scale])
         if one:
             self._record_raw(row, counts, written, consecutive, halted, applied)
@@ -329,23 +339,29 @@ class GuardedStep:
                 logs = self._last_good_logs(logs, applied)
         return self._per_worker_logs(logs)
 
+    def _write_counts(self, counts, written, applied) -> None:
+        """The step's NaN/Inf counts into its row of the buffer, unless ``applied``."""
+        if self.counts.shape[-1] != len(self.variables):
+            return
+        index = tf.reshape(tf.minimum(written, self.capacity - 1), [1, 1])
+
+        def write_counts():
+            tf.raw_ops.ResourceScatterNdUpdate(ref=self.counts.handle, indices=index, updates=tf.expand_dims(counts(), 0))
+            return tf.constant(0)
+
+        if self._few_weights():
+            write_counts()  # at every step: an applied step's counts are never read
+        else:
+            tf.cond(applied, lambda: tf.constant(0), write_counts)
+
     def _record_raw(self, row, counts, written, consecutive, halted, applied) -> None:
         """The step's row of records, on one replica: raw writes, and no conditional but
         the counts' of a model of more than :data:`SELECT_LIMIT` weights (a halted step's
         row lands past the last one :meth:`drain` reads)."""
         index = tf.reshape(tf.minimum(written, self.capacity - 1), [1, 1])
         tf.raw_ops.ResourceScatterNdUpdate(ref=self.records.handle, indices=index, updates=tf.reshape(row, [1, 4]))
-        if counts is not None and self.counts.shape[-1] == len(self.variables):
-
-            def write_counts():
-                tf.raw_ops.ResourceScatterNdUpdate(
-                    ref=self.counts.handle, indices=index, updates=tf.expand_dims(counts(), 0))
-                return tf.constant(0)
-
-            if self._few_weights():
-                write_counts()  # at every step: an applied step's counts are never read
-            else:
-                tf.cond(applied, lambda: tf.constant(0), write_counts)
+        if counts is not None:
+            self._write_counts(counts, written, applied)
         running = tf.cast(tf.raw_ops.LogicalNot(x=halted), tf.int32)
         tf.raw_ops.AssignVariableOp(resource=self.written.handle, value=written + running)
         following = tf.raw_ops.SelectV2(condition=applied, t=tf.zeros_like(consecutive), e=consecutive + running)

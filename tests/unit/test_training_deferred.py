@@ -1,0 +1,181 @@
+"""The deferred update: no copy of the weights or the optimizer's state, honest all the same.
+
+On one replica without XLA, `train` runs the model optimizer's update at the end of the
+step, under one predicate, proved finite from running bounds (SGD, Adam, AdamW, Lion) or
+tested on a copy. These tests hold the proof to its word (whenever it says finite, the
+update is finite), check that ordinary training never takes the tested path, that an
+update that overflows from finite gradients is still skipped bit for bit, and that a
+`train_step` that reads or writes what the update writes is traced again, masked, and
+trains exactly as `fit` does.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from companion.training import train
+from companion.training.bounds import UpdateBound, provable
+from companion.training.step import model_cache
+
+OPTIMIZERS = {
+    "SGD": lambda lr: keras.optimizers.SGD(lr),
+    "SGD-momentum": lambda lr: keras.optimizers.SGD(lr, momentum=0.9),
+    "SGD-nesterov": lambda lr: keras.optimizers.SGD(lr, momentum=0.99, nesterov=True),
+    "Adam": lambda lr: keras.optimizers.Adam(lr),
+    "Adam-amsgrad": lambda lr: keras.optimizers.Adam(lr, amsgrad=True, epsilon=1e-30),
+    "AdamW": lambda lr: keras.optimizers.AdamW(lr, weight_decay=0.5),
+    "Lion": lambda lr: keras.optimizers.Lion(lr),
+}
+
+
+def _step(model):
+    return next(v for k, v in model_cache(model).items() if isinstance(k, tuple) and k[0] == "step")
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    name=st.sampled_from(sorted(OPTIMIZERS)),
+    log_lr=st.floats(-6, 38),
+    log_grad=st.floats(-3, 30),
+    log_weight=st.floats(-3, 38),
+    steps=st.integers(1, 3),
+)
+def test_whenever_the_bound_proves_an_update_finite_it_is(name, log_lr, log_grad, log_weight, steps):
+    rng = np.random.default_rng(0)
+    weights = tf.Variable((rng.uniform(-1, 1, 16) * 10.0**log_weight).astype("float32"))
+    optimizer = OPTIMIZERS[name](float(10.0**log_lr))
+    optimizer.build([weights])
+    bound = UpdateBound(optimizer, [weights])
+    bound.measure()
+    for _ in range(steps):
+        gradient = tf.constant((rng.uniform(-1, 1, 16) * 10.0**log_grad).astype("float32"))
+        norm = tf.norm(gradient)
+        proved, advance = bound.prove(norm, optimizer.learning_rate)
+        if not bool(proved):
+            return
+        optimizer.apply([gradient], [weights])
+        advance()
+        values = [weights.numpy(), *(v.numpy() for v in optimizer.variables)]
+        assert all(np.isfinite(v).all() for v in values), "the bound proved finite an update that is not"
+        # The bounds still bound what the update wrote.
+        assert np.abs(weights.numpy()).max() <= float(bound.weights.numpy())
+
+
+def test_the_bound_is_off_for_an_optimizer_it_does_not_know_or_a_constrained_weight():
+    variable = tf.Variable(tf.ones([3]))
+    assert not provable(keras.optimizers.RMSprop(), [variable])
+    assert not provable(keras.optimizers.Adam(use_ema=True), [variable])
+    layer = keras.layers.Dense(2, kernel_constraint=keras.constraints.NonNeg())
+    layer.build((None, 3))
+    assert not provable(keras.optimizers.Adam(), [layer.kernel])
+    assert provable(keras.optimizers.Adam(), [variable])
+
+
+def _model(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, activation="tanh"),
+                             keras.layers.BatchNormalization(), keras.layers.Dense(1)])
+
+
+def _data(n=256):
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(n, 4)).astype("float32")
+    return x, np.tanh(x.sum(axis=1, keepdims=True))
+
+
+@pytest.mark.parametrize("name", ["SGD-momentum", "Adam", "AdamW", "Lion"])
+def test_ordinary_training_never_takes_the_tested_path_and_equals_fit(name):
+    x, y = _data()
+    trained, fitted = _model(), _model()
+    history = train(trained, x, y, batch_size=32, epochs=3, shuffle=False, loss="mse", verbose=0,
+                    optimizer=OPTIMIZERS[name](0.01))
+    fitted.compile(loss="mse", optimizer=OPTIMIZERS[name](0.01))
+    fitted.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
+
+    assert history.update == "deferred" and history.skipped == []
+    bound = _step(trained).bound
+    assert bound.enabled and int(bound.tested.numpy()) == 0, "a finite run took the tested path"
+    for a, b in zip(trained.get_weights(), fitted.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_an_optimizer_the_bound_does_not_know_takes_the_tested_path_at_every_step():
+    x, y = _data(64)
+    model = _model()
+    history = train(model, x, y, batch_size=32, epochs=2, shuffle=False, loss="mse", verbose=0,
+                    optimizer=keras.optimizers.RMSprop(0.01))
+    assert history.update == "deferred" and history.skipped == []
+    assert int(_step(model).bound.tested.numpy()) == history.steps
+
+
+@pytest.mark.parametrize("name", ["Adam", "SGD-momentum"])
+def test_an_update_that_is_not_finite_from_finite_gradients_is_skipped_bit_for_bit(name):
+    # An infinite learning rate (a schedule gone wrong): the loss and the gradients are
+    # finite, the update is not; the bound cannot prove it, the tested path finds it.
+    x, y = _data(64)
+    model = _model()
+    train(model, x[:32], y[:32], batch_size=32, epochs=1, shuffle=False, loss="mse", verbose=0,
+          optimizer=OPTIMIZERS[name](1e-3))
+    model.optimizer.learning_rate.assign(np.inf)
+    before = [v.numpy().copy() for v in [*model.variables, *model.optimizer.variables]]
+    history = train(model, x[32:], y[32:], batch_size=32, epochs=1, shuffle=False, verbose=0)
+
+    assert history.skipped == [0] and np.isfinite(history.step_loss[0]) and np.isfinite(history.grad_norm[0])
+    assert int(_step(model).bound.tested.numpy()) == 1
+    after = [v.numpy() for v in [*model.variables, *model.optimizer.variables]]
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+
+
+class ReadsAfterApply(keras.Model):
+    """A `train_step` that logs the kernel's norm after its update (it must see the new kernel)."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self(x, training=True) - y))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        return {"loss": loss, "kernel_norm": tf.norm(self.trainable_variables[0])}
+
+
+class ClipsItsWeights(keras.Model):
+    """keras.io's WGAN-style weight clipping: the step writes the weights itself, after the update."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self(x, training=True) - y))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        for v in self.trainable_variables:
+            v.assign(tf.clip_by_value(v, -0.05, 0.05))
+        return {"loss": loss}
+
+
+def _functional(cls):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    return cls(inputs, keras.layers.Dense(1)(keras.layers.Dense(8, activation="tanh")(inputs)))
+
+
+@pytest.mark.parametrize("cls", [ReadsAfterApply, ClipsItsWeights])
+def test_a_step_that_reads_or_writes_what_the_update_writes_is_masked_and_equals_fit(cls):
+    x, y = _data(96)
+    x[40] = np.nan  # the second batch is skipped
+    trained, fitted = _functional(cls), _functional(cls)
+    history = train(trained, x, y, batch_size=32, shuffle=False, loss="mse", verbose=0,
+                    optimizer=keras.optimizers.Adam(0.01))
+    fitted.compile(loss="mse", optimizer=keras.optimizers.Adam(0.01))
+    fitted.fit(np.concatenate([x[:32], x[64:]]), np.concatenate([y[:32], y[64:]]), batch_size=32,
+               shuffle=False, verbose=0)
+
+    assert history.update == "masked" and history.skipped == [1]
+    assert model_cache(trained).get("undeferrable")
+    for a, b in zip(trained.get_weights(), fitted.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
