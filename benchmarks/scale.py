@@ -1,0 +1,346 @@
+"""What do ``train``, the NaN doctor and ``SkipNonFinite`` cost as the model grows?
+
+Four ways to train the same fresh model, from a small CNN to an MLP of 28 million weights,
+against ``model.fit`` with ``keras.callbacks.TerminateOnNaN`` (Adam, batch 64, synthetic
+seeded data, Keras' defaults otherwise: ``shuffle=True``, ``jit_compile="auto"``):
+
+* ``fit``: ``compile`` + ``fit(..., callbacks=[TerminateOnNaN()])``, the reference;
+* ``train``: ``companion.training.train`` with the same loss and optimizer,
+  ``callbacks=[TerminateOnNaN()]``, ``verbose=0``;
+* ``doctor``: ``fit`` with ``companion.diagnostics.NaNDoctor()`` next to ``TerminateOnNaN``;
+* ``skip``: ``fit`` with ``companion.optimizers.SkipNonFinite(Adam())``.
+
+Every run is a fresh Python process (this script with a hidden ``--child`` argument, which
+trains one fresh model once and prints one JSON line) with a fresh model. Two runs per
+measurement, of 1 and of 5 epochs, give the steady time per epoch, (T(5) - T(1)) / 4:
+compiling, tracing and the first steps cancel. Memory is the growth of the process's peak
+resident set (``ru_maxrss``) over the whole call of 5 epochs (read after the imports, the
+model and the data are made, and after the call), in MiB and as a multiple of the bytes of
+the model's trainable weights; a variant's *extra* memory is its growth minus ``fit``'s in
+the same round. The variants alternate within a round (the order rotates from round to
+round), and each ratio is the median over rounds of the ratio (or difference) of runs of
+the same round, with its quartiles.
+
+Targets (issue 41): ``train`` / ``fit`` <= 1.05 in steady state and ``train``'s extra memory
+<= 0.25 x the weights' bytes; ``NaNDoctor`` <= 1.05 x ``fit``'s time and <= 1 x the weights'
+bytes of extra memory; ``SkipNonFinite`` held to ``train``'s targets (the issue names none
+of its own). Run with::
+
+    python benchmarks/scale.py [--quick] [--rounds N] [--models NAME,...] [--json PATH]
+
+``--json auto`` writes into ``companion/book/benchmark_results/`` under the default name.
+``--quick`` (two small models, 1 round, 6 and 30 batches an epoch: 16 processes, about 90 s)
+only checks that the benchmark runs: its numbers are not the full run's. The full run
+(5 models, 3 rounds, 120 processes) takes about 25 minutes on 2 cores; ``--models`` picks
+models, ``--batches`` sets every model's batches per epoch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+BATCH = 64
+EPOCHS = (1, 5)  # the two lengths whose difference gives the steady time per epoch
+VARIANTS = ("fit", "train", "doctor", "skip")
+NAMES = {"fit": "fit", "train": "train", "doctor": "fit + NaNDoctor", "skip": "fit + SkipNonFinite"}
+# The targets of issue 41, per variant: steady time / fit's, and extra memory / weights' bytes.
+TIME_TARGETS = {"train": 1.05, "doctor": 1.05, "skip": 1.05}
+MEMORY_TARGETS = {"train": 0.25, "doctor": 1.0, "skip": 0.25}
+
+#: name: (description, batches per epoch in the full run). Batches are chosen so that
+#: ``fit``'s steady epoch takes one to two seconds here (2-core Xeon), the whole run ~25 min.
+MODELS = {
+    "cnn-bn": ("CNN with BatchNorm (28x28x1, 2 conv + BN + pooling, 10 classes)", 40),
+    "mlp-0.4m": ("compute-bound MLP 256-512-512-1", 300),
+    "transformer": ("Transformer encoder, 2 blocks, d = 128, sequence 32, 10 classes", 15),
+    "mlp-8m": ("MLP 2048-2048-2048-1", 20),
+    "mlp-28m": ("MLP 3072-3072-3072-3072-1", 8),
+}
+#: --quick: two small models, with enough batches that 4 more epochs outlast a child's noise.
+QUICK_BATCHES = {"cnn-bn": 6, "mlp-0.4m": 30}
+#: Times a measurement is made again when its 5-epoch run was not the longer (a slow spell
+#: of the shared machine during the 1-epoch run): its steady time would be 0 or negative.
+RETRIES = 2
+
+
+# --- the child: one fresh model, one call, one JSON line ------------------------------------
+
+
+def build(name: str):
+    """A fresh model (seeded) and its task: ``"classes"`` (10, integer labels) or ``"mse"``."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    layers = keras.layers
+    if name == "cnn-bn":
+        model = keras.Sequential([
+            keras.Input((28, 28, 1)),
+            layers.Conv2D(32, 3, padding="same"), layers.BatchNormalization(), layers.ReLU(), layers.MaxPooling2D(),
+            layers.Conv2D(80, 3, padding="same"), layers.BatchNormalization(), layers.ReLU(), layers.MaxPooling2D(),
+            layers.Flatten(), layers.Dense(10),
+        ], name=name)
+        task = "classes"
+    elif name == "transformer":
+        tokens = keras.Input((32,), dtype="int32")
+        h = layers.Embedding(2000, 128)(tokens)
+        h = position_embedding(32, 128)(h)
+        for _ in range(2):
+            attention = layers.MultiHeadAttention(num_heads=4, key_dim=32)(h, h)
+            h = layers.LayerNormalization()(h + attention)
+            ffn = layers.Dense(128)(layers.Dense(512, activation="relu")(h))
+            h = layers.LayerNormalization()(h + ffn)
+        model = keras.Model(tokens, layers.Dense(10)(layers.GlobalAveragePooling1D()(h)), name=name)
+        task = "classes"
+    else:
+        features, width, depth = {"mlp-0.4m": (256, 512, 2), "mlp-8m": (2048, 2048, 2),
+                                  "mlp-28m": (3072, 3072, 3)}[name]
+        model = keras.Sequential(
+            [keras.Input((features,))] + [layers.Dense(width, activation="relu") for _ in range(depth)]
+            + [layers.Dense(1)], name=name)
+        task = "mse"
+    return model, task
+
+
+def position_embedding(length: int, width: int):
+    """A learned position embedding added to the tokens' (a layer made on first use)."""
+    import keras
+
+    class _PositionEmbedding(keras.layers.Layer):
+        def build(self, shape):
+            self.positions = self.add_weight(shape=(length, width), initializer="uniform", name="positions")
+
+        def call(self, x):
+            return x + self.positions
+
+    return _PositionEmbedding()
+
+
+def make_data(name: str, rows: int):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    if name == "cnn-bn":
+        x = rng.normal(size=(rows, 28, 28, 1)).astype("float32")
+        return x, rng.integers(0, 10, size=(rows,)).astype("int32")
+    if name == "transformer":
+        x = rng.integers(0, 2000, size=(rows, 32)).astype("int32")
+        return x, (x[:, 0] % 10).astype("int32")
+    features = {"mlp-0.4m": 256, "mlp-8m": 2048, "mlp-28m": 3072}[name]
+    x = rng.normal(size=(rows, features)).astype("float32")
+    w = rng.normal(size=(features, 1)).astype("float32") / np.sqrt(features)
+    return x, np.tanh(x @ w)
+
+
+def child(name: str, variant: str, epochs: int, batches: int) -> dict:
+    """Train a fresh ``name`` model for ``epochs`` epochs of ``batches`` batches with ``variant``."""
+    import resource
+
+    import keras
+    import numpy as np
+
+    from companion.diagnostics import NaNDoctor
+    from companion.optimizers import SkipNonFinite
+    from companion.training import train
+
+    model, kind = build(name)
+    x, y = make_data(name, batches * BATCH)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True) if kind == "classes" else "mse"
+    weights_bytes = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in model.trainable_weights)
+    callbacks = [keras.callbacks.TerminateOnNaN()]
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    wall, cpu = time.perf_counter(), time.process_time()
+    if variant == "train":
+        history = train(model, x, y, batch_size=BATCH, epochs=epochs, loss=loss,
+                        optimizer=keras.optimizers.Adam(), callbacks=callbacks, verbose=0)
+    else:
+        optimizer = SkipNonFinite(keras.optimizers.Adam()) if variant == "skip" else keras.optimizers.Adam()
+        model.compile(optimizer=optimizer, loss=loss)
+        if variant == "doctor":
+            callbacks.append(NaNDoctor())
+        history = model.fit(x, y, batch_size=BATCH, epochs=epochs, verbose=0, callbacks=callbacks)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    losses = history.history.get("loss", [])
+    return {
+        "model": name, "variant": variant, "epochs": epochs, "batches": batches,
+        "seconds": wall, "cpu_seconds": cpu, "growth_mib": (after - before) / 1024,
+        "weights_bytes": weights_bytes, "params": int(model.count_params()),
+        "completed": len(losses) == epochs and all(np.isfinite(losses)),
+    }
+
+
+# --- the parent: rounds of fresh processes --------------------------------------------------
+
+
+def run_child(name: str, variant: str, epochs: int, batches: int) -> dict:
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    completed = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--child", name, variant, str(epochs), str(batches)],
+        capture_output=True, text=True, env=env,
+    )
+    lines = [line for line in completed.stdout.splitlines() if line.startswith("{")]
+    if completed.returncode != 0 or not lines:
+        raise RuntimeError(f"the run of {name}, {variant}, {epochs} epochs failed "
+                           f"(exit {completed.returncode}):\n{completed.stderr[-4000:]}")
+    result = json.loads(lines[-1])
+    if not result["completed"]:
+        raise RuntimeError(f"the run of {name}, {variant}, {epochs} epochs did not end all its epochs with a "
+                           f"finite loss: its time is not a steady epoch's")
+    return result
+
+
+def quartiles(values):
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def verdict(q1: float, q3: float, target: float) -> str:
+    return "met" if q3 <= target else "missed" if q1 > target else "not resolved"
+
+
+def measure(name: str, batches: int, rounds: int) -> dict:
+    """{variant: [per-round {"t1", "t5", "steady", "cpu_steady", "growth_mib"}]} and the model's size."""
+    runs = {variant: [] for variant in VARIANTS}
+    size = None
+    for r in range(rounds):
+        order = VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)]
+        for variant in order:
+            for attempt in range(RETRIES + 1):
+                timed = {}
+                # Which length runs first alternates too (a slow spell of the machine hits both).
+                for epochs in (EPOCHS if (r + VARIANTS.index(variant)) % 2 == 0 else EPOCHS[::-1]):
+                    print(f"  {name}, round {r + 1}/{rounds}: {NAMES[variant]}, {epochs} epoch{'s' * (epochs > 1)}"
+                          f" of {batches} batches" + (f" (again: {attempt + 1})" if attempt else ""),
+                          file=sys.stderr, flush=True)
+                    timed[epochs] = run_child(name, variant, epochs, batches)
+                short, long = timed[EPOCHS[0]], timed[EPOCHS[1]]
+                if long["seconds"] > short["seconds"] and long["cpu_seconds"] > short["cpu_seconds"]:
+                    break
+                print(f"  {name}, {NAMES[variant]}: {EPOCHS[1]} epochs took {long['seconds']:.2f} s, {EPOCHS[0]} took "
+                      f"{short['seconds']:.2f} s: measured again", file=sys.stderr, flush=True)
+            else:
+                raise RuntimeError(f"{name}, {NAMES[variant]}: {EPOCHS[1]} epochs never took longer than "
+                                   f"{EPOCHS[0]}: give it more batches (--batches)")
+            span = EPOCHS[1] - EPOCHS[0]
+            size = size or {"params": long["params"], "weights_bytes": long["weights_bytes"]}
+            runs[variant].append({
+                "t1": short["seconds"], "t5": long["seconds"],
+                "steady": (long["seconds"] - short["seconds"]) / span,
+                "cpu_steady": (long["cpu_seconds"] - short["cpu_seconds"]) / span,
+                "growth_mib": long["growth_mib"], "growth_mib_1_epoch": short["growth_mib"],
+            })
+    return {"runs": runs, **size, "batches": batches}
+
+
+def summarise(name: str, measured: dict) -> list[dict]:
+    """The ratios of one model: each variant's steady time / fit's, its extra memory / the weights' bytes."""
+    runs, weights_mib = measured["runs"], measured["weights_bytes"] / 2**20
+    rows = []
+    for variant in VARIANTS[1:]:
+        pairs = list(zip(runs[variant], runs["fit"]))
+        times = [v["steady"] / f["steady"] for v, f in pairs]
+        cpus = [v["cpu_steady"] / f["cpu_steady"] for v, f in pairs]
+        extras = [v["growth_mib"] - f["growth_mib"] for v, f in pairs]
+        q1, median, q3 = quartiles(times)
+        rows.append(dict(
+            label=f"scale, {name}: {NAMES[variant]} / fit (steady time)", ratio=round(median, 4),
+            q1=round(q1, 4), q3=round(q3, 4), target=TIME_TARGETS[variant], rounds=len(pairs),
+            cpu_ratio=round(statistics.median(cpus), 4), model=name, variant=variant, kind="time",
+            params=measured["params"], weights_mib=round(weights_mib, 3),
+        ))
+        e1, extra, e3 = quartiles(extras)
+        rows.append(dict(
+            label=f"scale, {name}: {NAMES[variant]} extra memory / weights' bytes",
+            ratio=round(extra / weights_mib, 4), q1=round(e1 / weights_mib, 4), q3=round(e3 / weights_mib, 4),
+            target=MEMORY_TARGETS[variant], rounds=len(pairs), extra_mib=round(extra, 2),
+            fit_growth_mib=round(statistics.median(f["growth_mib"] for f in runs["fit"]), 2),
+            model=name, variant=variant, kind="memory", params=measured["params"],
+            weights_mib=round(weights_mib, 3),
+        ))
+    return rows
+
+
+def print_table(results: dict, rows: list[dict]) -> None:
+    """One line per model: its size, fit's steady epoch and memory growth, each variant's costs."""
+    by = {(row["model"], row["variant"], row["kind"]): row for row in rows}
+    mark = {"met": " ", "missed": "!", "not resolved": "?"}
+    print(f"{'':<12}{'weights':>17}{'fit':>16}" + "".join(f"{NAMES[v]:>31}" for v in VARIANTS[1:]))
+    print(f"{'model':<12}{'M':>7}{'MiB':>10}{'s/epoch':>8}{'growth':>8}"
+          + f"{'time':>9}{'extra memory':>22}" * len(VARIANTS[1:]))
+    for name, measured in results.items():
+        fit = measured["runs"]["fit"]
+        line = (f"{name:<12}{measured['params'] / 1e6:>7.2f}{measured['weights_bytes'] / 2**20:>10.1f}"
+                f"{statistics.median(r['steady'] for r in fit):>8.2f}"
+                f"{statistics.median(r['growth_mib'] for r in fit):>8.0f}")
+        for variant in VARIANTS[1:]:
+            t, m = by[(name, variant, "time")], by[(name, variant, "memory")]
+            line += (f"{t['ratio']:>8.2f}{mark[verdict(t['q1'], t['q3'], t['target'])]}"
+                     f"{m['extra_mib']:>+9.0f} MiB{m['ratio']:>7.2f}x{mark[verdict(m['q1'], m['q3'], m['target'])]}")
+        print(line)
+    print("time: steady time per epoch / fit's; extra memory: peak-memory growth over fit's, in MiB and x the"
+          " weights' bytes;\nfit: its steady seconds per epoch and its peak-memory growth in MiB;"
+          " ! target missed, ? not resolved (the rounds straddle it)")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{', '.join(QUICK_BATCHES)}, 1 round, few batches an epoch (a smoke test)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
+    parser.add_argument("--models", help=f"comma-separated, of {', '.join(MODELS)} (default: all)")
+    parser.add_argument("--batches", type=int, help="batches per epoch for every model (default: each model's own)")
+    parser.add_argument("--json", metavar="PATH", help="also write the ratios as JSON ('auto': the default name)")
+    parser.add_argument("--child", nargs=4, metavar=("MODEL", "VARIANT", "EPOCHS", "BATCHES"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        name, variant, epochs, batches = args.child
+        print(json.dumps(child(name, variant, int(epochs), int(batches))), flush=True)
+        return 0
+
+    names = args.models.split(",") if args.models else list(QUICK_BATCHES if args.quick else MODELS)
+    unknown = [name for name in names if name not in MODELS]
+    if unknown:
+        parser.error(f"unknown models {unknown}; there are {list(MODELS)}")
+    rounds = 1 if args.quick else args.rounds
+    print(f"{rounds} round{'s' * (rounds > 1)}, every run a fresh process and a fresh model; batch {BATCH}, "
+          f"steady time per epoch = (T({EPOCHS[1]} epochs) - T({EPOCHS[0]})) / {EPOCHS[1] - EPOCHS[0]}", flush=True)
+    results, rows = {}, []
+    started = time.perf_counter()
+    for name in names:
+        batches = args.batches or (QUICK_BATCHES.get(name, 2) if args.quick else MODELS[name][1])
+        results[name] = measure(name, batches, rounds)
+        model_rows = summarise(name, results[name])
+        rows += model_rows
+        print(f"\n{name}: {MODELS[name][0]}, {results[name]['params'] / 1e6:.2f} M weights "
+              f"({results[name]['weights_bytes'] / 2**20:.1f} MiB), {batches} batches an epoch", flush=True)
+        for row in model_rows:
+            extra = f", {row['extra_mib']:+.1f} MiB" if row["kind"] == "memory" else f", CPU {row['cpu_ratio']:.2f}"
+            print(f"  {row['label']:<66} ratio {row['ratio']:.2f} (quartiles {row['q1']:.2f} to {row['q3']:.2f})"
+                  f"{extra}, target {row['target']}: {verdict(row['q1'], row['q3'], row['target'])}", flush=True)
+    print(f"\n{time.perf_counter() - started:.0f} s")
+    print_table(results, rows)
+    print("verdict: the median of the per-round ratios, with their quartiles (met: even the third quartile"
+          " is within the target)")
+    if args.json:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from _results import write_results
+
+        models = {name: {"description": MODELS[name][0], "params": r["params"], "weights_bytes": r["weights_bytes"],
+                         "batches": r["batches"], "batch_size": BATCH, "runs": r["runs"]}
+                  for name, r in results.items()}
+        write_results(args.json, "scale", rows, extra={"models": models, "epochs": list(EPOCHS)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
