@@ -6,7 +6,8 @@ case's, where it is mechanical and can be tried on the failing step itself:
 * an overflow in a layer that computes in float16 or bfloat16 (a mixed-precision
   policy): that layer's policy to float32 (``dtype="float32"``, the layer's variables
   are float32 already), the cure Keras' mixed-precision guide gives, not the cause's
-  generic list;
+  generic list; for a layer of the user's own with sublayers, ``dtype="float32"`` for
+  each layer it creates as well (they take the global policy, not their parent's);
 * a NaN or Inf in the batch: the step without the rows that hold it (clean or drop them
   in the input pipeline);
 * values that grew over the previous steps (``divergence``): the optimizer as compiled
@@ -24,7 +25,9 @@ case's, where it is mechanical and can be tried on the failing step itself:
 variable, the layer's policy, the optimizer's learning rate and ``clipnorm`` and every
 patched function are put back afterwards, also when the re-run fails. What is verified:
 
-* the float32 policy and the dropped rows: the failing step re-run once with them;
+* the float32 policy and the dropped rows: the failing step re-run once with them
+  (the policy set on the layer and on every layer nested in it, as the printed
+  remedy makes them, and every layer's policy put back);
 * a smaller learning rate and ``clipnorm``: the training steps re-run with them
   (``model.train_step``, eagerly) from the earliest state the doctor has: under
   :class:`~companion.diagnostics.NaNDoctor`, the start of ``fit`` (or of the epoch,
@@ -140,7 +143,13 @@ def verify(diagnosis: Any, model: Any, loss_fn: Any, x, y, w, steps: "Steps | No
     except Exception as error:  # the doctor's own failure: said, not raised
         remedy = None
         try:
-            remedy = _smaller_learning_rate(model)[0] if diagnosis.cause == "divergence" else choose(diagnosis)
+            layer = _layer(model, diagnosis.layer) if diagnosis.dtype in LOW_PRECISION else None
+            if diagnosis.cause in ("overflow", "divergence") and layer is not None:
+                remedy = _float32_remedy(diagnosis.layer, layer)[0]
+            elif diagnosis.cause == "divergence":
+                remedy = _smaller_learning_rate(model)[0]
+            else:
+                remedy = choose(diagnosis)
         except Exception:  # noqa: BLE001 - the doctor never raises into fit
             pass
         found = (remedy, f"not verified: the re-run with the remedy failed ({type(error).__name__}: {error})"[:300])
@@ -158,15 +167,9 @@ def _verify(d, model, loss_fn, x, y, w, steps=None):
         layer = _layer(model, d.layer)
         if layer is None:
             return None
-        name = type(layer).__name__
-        remedy = f"compute {d.layer} in float32: {name}(..., dtype=\"float32\") (its variables are float32 already)"
-        before = layer.dtype_policy
-        try:
-            layer.dtype_policy = "float32"
+        remedy, what = _float32_remedy(d.layer, layer)
+        with _float32(layer):
             finite = _finite_step(model, loss_fn, x, y, w)
-        finally:
-            layer.dtype_policy = before
-        what = f"{d.layer}'s dtype policy float32"
         return remedy, (f"verified: the step is finite with {what}" if finite
                         else f"not verified: the step is still non-finite with {what}")
     if d.cause == "divergence":
@@ -196,6 +199,52 @@ def _verify(d, model, loss_fn, x, y, w, steps=None):
     if remedy is None or clamp is None:
         return None
     return remedy, _verify_clamp(d, clamp, model, loss_fn, x, y, w)
+
+
+def _nested_low_precision(layer) -> list:
+    """The layers nested in ``layer`` (not ``layer`` itself) that compute in float16 or bfloat16."""
+    return [inner for inner in _internal.all_layers(layer)[1:]
+            if getattr(inner, "compute_dtype", None) in LOW_PRECISION]
+
+
+def _float32_remedy(path: str, layer) -> tuple[str, str]:
+    """The float32 policy for ``layer`` and every layer nested in it, as the call to write, and what is checked.
+
+    A layer's dtype policy is its own: the sublayers it creates in ``__init__`` take the
+    global policy (``mixed_float16``) unless they are given one, so a block whose
+    ``Conv`` or ``Dense`` sublayer computes in float16 still hands float16 values to its
+    own ops. Keras' own composite layers (``MultiHeadAttention``, ...) pass their
+    ``dtype`` on to the sublayers they make; a user's layer, or a nested model, must be
+    given it for each.
+    """
+    name = type(layer).__name__
+    nested = _nested_low_precision(layer)
+    remedy = f"compute {path} in float32: {name}(..., dtype=\"float32\")"
+    what = f"{path}'s dtype policy float32"
+    own_class = not type(layer).__module__.startswith("keras.") or isinstance(layer, keras.Model)
+    if nested and own_class:  # a user's layer, or a Sequential/functional model of separately made layers
+        paths = [layer_path(inner) for inner in nested]
+        shown = ", ".join(paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
+        remedy += (f", and dtype=\"float32\" for each layer it creates ({shown}: under the mixed policy they "
+                   "compute in float16 inside it otherwise)")
+        what += f" and that of the {len(nested)} layer{'s' if len(nested) > 1 else ''} nested in it ({shown})"
+    elif nested:
+        what += f" (passed on to the {len(nested)} layer{'s' if len(nested) > 1 else ''} nested in it)"
+    return remedy + " (its variables are float32 already)", what
+
+
+@contextlib.contextmanager
+def _float32(layer):
+    """``layer`` and every layer nested in it computing in float32; every policy put back afterwards."""
+    layers = _internal.all_layers(layer)
+    before = [(inner, inner.dtype_policy) for inner in layers]
+    try:
+        for inner in layers:
+            inner.dtype_policy = "float32"
+        yield
+    finally:
+        for inner, policy in before:
+            inner.dtype_policy = policy
 
 
 def _verify_initial(d, model, loss_fn, x, y, w):
