@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import ast
 import builtins
 import contextlib
 import dataclasses
@@ -23,6 +24,7 @@ import math
 import os
 import re
 import sys
+import types
 
 import numpy as np
 import tensorflow as tf
@@ -101,6 +103,160 @@ def _inside_library(at: str, op: str, line: str, eps: float) -> tuple[str, "Clam
             "epsilon argument", None)
 
 
+#: Inputs tried, in this order, as the safe value of a double where.
+SAFE_CANDIDATES = (1.0, 0.0, 0.5, 2.0, -1.0)
+
+#: How a branch spells an op (besides the ``SPELLING`` of the op's own call).
+_BRANCH_SPELLING = {
+    "RealDiv": ("/", "divide", "truediv", "realdiv", "reciprocal"), "Div": ("/", "divide", "div"),
+    "Reciprocal": ("/", "reciprocal"), "Inv": ("/", "reciprocal"), "Pow": ("**", "pow", "power"),
+    "Log": ("log",), "Log1p": ("log1p",), "Exp": ("exp",), "Sqrt": ("sqrt",), "Rsqrt": ("rsqrt",),
+}
+
+#: Packages whose functions a branch may call when the safe value is tried on it.
+_PURE = ("tensorflow", "keras", "numpy", "math", "companion")
+
+
+def _where_trap(at: str, op: str | None, source: str | None, code: str, dtype: str | None) -> str:
+    """The double where for a ``where_trap``, with a safe value at which the branch is finite.
+
+    The safe value is the first of :data:`SAFE_CANDIDATES` at which the branch of the
+    user's ``tf.where`` that holds the op (or every branch, when the line does not say
+    which) has a finite value and a finite gradient, tried by evaluating that branch on
+    a constant of the op's dtype; ``1.0`` is the pole of ``1 / (1 - x)``, ``0.0`` that
+    of ``log(x)``. Where the branch cannot be tried (no ``tf.where`` or expression on
+    the line, a name that is not a TensorFlow, Keras, NumPy or math function), the
+    remedy says what the value must be instead of naming one.
+    """
+    safe = _safe_value(op, source, code, dtype)
+    value, why = ("s", "s, a value") if safe is None else (repr(safe), repr(safe))
+    return (f"{at}a double where: tf.where(c, f(x), y) -> tf.where(c, f(tf.where(c, x, {value})), y) "
+            f"(companion.numerics.double_where(c, f, x, y)): the unselected branch sees {why} where f "
+            "and its gradient are finite")
+
+
+def _expression(source: str | None, code: str):
+    """The expression of the user's statement (a ``return``'s or an assignment's value), or ``None``.
+
+    The statement is the line alone, else the line continued on the next one or two.
+    """
+    texts = [code.strip()]
+    filename, _, number = (source or "").rpartition(":")
+    if filename and number.isdigit():
+        lines = [linecache.getline(filename, int(number) + k).strip() for k in range(3)]
+        texts += [" ".join(lines[:2]), " ".join(lines)]
+    for text in texts:
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        value = getattr(tree.body[0], "value", None) if len(tree.body) == 1 else None
+        if isinstance(value, ast.expr):
+            return value
+    return None
+
+
+def _branches(expression) -> list:
+    """The branches of the first ``where(c, a, b)`` call in ``expression``, or ``[expression]``."""
+    for node in ast.walk(expression):
+        if isinstance(node, ast.Call) and _last_name(node.func) == "where":
+            branches = list(node.args[1:3]) + [k.value for k in node.keywords if k.arg in ("x", "y", "x1", "x2")]
+            if branches:
+                return branches
+    return [expression]
+
+
+def _last_name(node) -> str:
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return node.id if isinstance(node, ast.Name) else ""
+
+
+def _holds(branch, op: str | None) -> bool:
+    """Whether ``branch`` spells ``op`` (a call of its name, or its operator)."""
+    names = set(_BRANCH_SPELLING.get(op or "", ()))
+    spelled = SPELLING.get(op or "", "").rpartition(".")[2]
+    if spelled:
+        names.add(spelled)
+    for node in ast.walk(branch):
+        if isinstance(node, ast.BinOp):
+            if isinstance(node.op, ast.Div) and "/" in names or isinstance(node.op, ast.Pow) and "**" in names:
+                return True
+        if isinstance(node, ast.Call) and _last_name(node.func) in names:
+            return True
+    return False
+
+
+def _resolve(node, namespace: dict):
+    """The object an attribute chain (``tf.math.log``) names, or ``None``."""
+    if isinstance(node, ast.Name):
+        return namespace.get(node.id, getattr(builtins, node.id, None))
+    if isinstance(node, ast.Attribute):
+        holder = _resolve(node.value, namespace)
+        return None if holder is None else getattr(holder, node.attr, None)
+    return None
+
+
+def _pure(obj) -> bool:
+    """A module or function of TensorFlow, Keras, NumPy or math (safe to call on a constant)."""
+    name = obj.__name__ if isinstance(obj, types.ModuleType) else getattr(obj, "__module__", None) or ""
+    if isinstance(obj, np.ufunc):
+        return True
+    return name.split(".")[0] in _PURE
+
+
+def _free(name: str, namespace: dict) -> bool:
+    """Whether the branch's ``name`` is the where's input (not a module, function or number)."""
+    known = namespace.get(name, getattr(builtins, name, None))
+    return not (isinstance(known, (types.ModuleType, int, float)) or callable(known))
+
+
+def _finite_at(branch, namespace: dict, value: float, dtype) -> bool:
+    """Whether ``branch``, with its free names at ``value``, has a finite value and gradient."""
+    try:
+        with tf.init_scope():  # eagerly, also when the doctor runs inside a traced function
+            point = tf.constant(value, dtype)
+            scope = dict(namespace)
+            scope.update({node.id: point for node in ast.walk(branch)
+                          if isinstance(node, ast.Name) and _free(node.id, namespace)})
+            with tf.GradientTape() as tape:
+                tape.watch(point)
+                result = tf.convert_to_tensor(
+                    eval(compile(ast.Expression(branch), "<branch>", "eval"), scope))  # noqa: S307
+            gradient = tape.gradient(result, point)
+            finite = bool(tf.reduce_all(tf.math.is_finite(tf.math.abs(result))))
+            return finite and (gradient is None or bool(tf.reduce_all(tf.math.is_finite(tf.math.abs(gradient)))))
+    except Exception:  # noqa: BLE001 - a branch that cannot run on a constant is not tried
+        return False
+
+
+def _safe_value(op: str | None, source: str | None, code: str, dtype: str | None) -> float | None:
+    """The first of :data:`SAFE_CANDIDATES` at which the op's branch is finite, or ``None``."""
+    try:
+        dtype = tf.as_dtype(dtype or "float32")
+    except TypeError:
+        dtype = tf.float32
+    if not (dtype.is_floating or dtype.is_complex):
+        dtype = tf.float32
+    expression = _expression(source, code)
+    if expression is None:
+        return None
+    filename = source.rpartition(":")[0] if source else ""
+    namespace = dict((_module_of(filename) if filename else None) or {})
+    namespace.update({k: v for k, v in {"tf": tf, "np": np, "math": math}.items() if k not in namespace})
+    for node in ast.walk(expression):
+        if isinstance(node, ast.Call):
+            function = _resolve(node.func, namespace)
+            if function is None or not _pure(function):
+                return None  # a call the doctor will not make on the user's behalf
+    branches = _branches(expression)
+    tried = [b for b in branches if _holds(b, op)] or branches
+    for value in SAFE_CANDIDATES:
+        if all(_finite_at(branch, namespace, value, dtype) for branch in tried):
+            return value
+    return None
+
+
 def choose(d) -> str | None:
     """The first remedy for diagnosis ``d``, written against its line, or ``None``.
 
@@ -125,8 +281,7 @@ def choice(d) -> tuple[str | None, "Clamp | None"]:
     if d.cause == "compiled_only":
         return "compile without XLA: model.compile(..., jit_compile=False) (or tf.function(jit_compile=False))", None
     if d.cause == "where_trap":
-        return (f"{at}a double where: tf.where(c, f(x), y) -> tf.where(c, f(tf.where(c, x, 1.0)), y) "
-                "(companion.numerics.double_where(c, f, x, y)): the unselected branch sees a safe input"), None
+        return _where_trap(at, op, d.source, line, d.dtype), None
     if d.cause == "inf_arithmetic" and re.search(r"-\s*(np\.|math\.|float\(\")?inf", code):
         return f"{at}a large finite negative mask instead of -inf: -1e9 (float32) or -3e4 (float16)", None
     if not _spelled(op, line) and op in SPELLING and d.cause != "overflow":
