@@ -81,6 +81,9 @@ def _spelled(op: str, code: str) -> bool:
 #: Library functions whose square root is singular at 0 (a norm), and the form to write instead.
 NORMS = re.compile(r"\b((?:tf\.|keras\.)?(?:linalg\.|ops\.|math\.)?(?:norm|reduce_euclidean_norm))\(")
 
+#: Library functions that take the square root of a variance (singular where it is 0).
+STDS = re.compile(r"\b((?:tf\.|keras\.|np\.)?(?:math\.|ops\.)?(?:reduce_std|std))\(")
+
 #: Calls that only reduce or combine (never the library function that holds the op).
 GENERIC = frozenset({"reduce_mean", "reduce_sum", "mean", "sum", "maximum", "minimum", "where", "cast", "abs",
                      "square", "add", "multiply", "subtract", "reshape", "concat", "stack"})
@@ -96,6 +99,13 @@ def _inside_library(at: str, op: str, line: str, eps: float) -> tuple[str, "Clam
                 "clamped: a finite value, and a zero gradient at 0)",
                 Clamp((name.rpartition(".")[2],), _clamped_norm(name.rpartition(".")[2], eps),
                       f"{name}'s square clamped at {eps:.3g}"))
+    std = STDS.search(line)
+    if std is not None and op == "Sqrt":
+        name = std.group(1)
+        return (f"{at}the Sqrt is inside {name}, which you cannot edit: {name}(x, axis=a) -> "
+                f"tf.sqrt(tf.math.reduce_variance(x, axis=a) + {eps:.3g}) (sqrt(var + eps): a variance of 0, "
+                "as of a constant or a batch of one, gets a finite gradient)",
+                Clamp((name.rpartition(".")[2],), _std_with_eps(eps), f"{name} as sqrt(var + {eps:.3g})"))
     calls = [c for c in re.findall(r"([\w.]+)\(", line) if c.rpartition(".")[2] not in GENERIC]
     inside = calls[-1] if calls else "a library function"
     return (f"{at}the {op} is inside {inside}, which you cannot edit: keep its input off the edge "
@@ -402,6 +412,21 @@ def _clamped_norm(name: str, eps: float):
         x = tf.convert_to_tensor(x)
         square = tf.reduce_sum(tf.square(x), axis=axis, keepdims=bool(keepdims))
         return tf.sqrt(tf.maximum(square, tf.cast(eps, square.dtype)))
+
+    return call
+
+
+def _std_with_eps(eps: float):
+    """``sqrt(reduce_variance(x, axis) + eps)`` for a call of ``std(x, axis, keepdims)``."""
+
+    def call(original, x, *args, **kwargs):
+        axis = args[0] if args else kwargs.get("axis")
+        keepdims = args[1] if len(args) > 1 else kwargs.get("keepdims", False)
+        x = tf.convert_to_tensor(x)
+        if not x.dtype.is_floating:
+            return original(x, *args, **kwargs)
+        variance = tf.math.reduce_variance(x, axis=axis, keepdims=bool(keepdims))
+        return tf.sqrt(variance + tf.cast(eps, variance.dtype))
 
     return call
 
