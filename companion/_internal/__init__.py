@@ -14,7 +14,8 @@ spellings included). Each family of internals is a module:
   calls, collective keys);
 * :mod:`~companion._internal.ops`: op callbacks, check-numerics, eager backprop's frames;
 * :mod:`~companion._internal.errors`: TensorFlow's error texts;
-* :mod:`~companion._internal.random_states`: the global random-number states.
+* :mod:`~companion._internal.random_states`: the global random-number states;
+* :mod:`~companion._internal.datasets`: a ``tf.data`` pipeline's map functions.
 
 Each hook says what it relies on and what happens when it is gone: the caller falls back
 to a public, slower or less informative way, and :func:`warn_once` issues an
@@ -55,6 +56,7 @@ from companion._internal.keras_trainer import (
 from companion._internal.ops import backprop_forward_op, check_numerics_enabled, in_backprop, op_callback
 from companion._internal.optimizers import can_skip_optimizer_all_reduce, optimizer_all_reduce_skipped
 from companion._internal.random_states import global_random_states
+from companion._internal.datasets import dataset_map_stages
 from companion._internal.variables import (
     intercept_variable_writes,
     is_checkpoint_restore,

@@ -3,9 +3,12 @@
 :func:`diagnose` takes a model and data as ``fit`` does and:
 
 1. runs each batch through the loss and its gradients as ``fit``'s compiled step
-   computes them (XLA if the model was compiled with it), updating nothing, until one
-   has a non-finite loss or gradient;
-2. checks that batch's inputs, targets and sample weights, then the model's weights;
+   computes them (XLA if the model was compiled with it), updating nothing but the
+   random states (batch k draws its dropout masks, noise and timesteps from the states
+   ``fit`` had at step k; they are put back at the end), until one has a non-finite
+   loss or gradient;
+2. checks that batch's inputs, targets and sample weights (for a ``tf.data`` pipeline,
+   the map function that made a NaN, its op and line), then the model's weights;
 3. re-runs the batch op by op (:class:`~companion.diagnostics.trace.OpTracer`): the
    first forward op whose output is not finite if the loss is not, else the first op
    of the backward pass, mapped to the forward op it differentiates;
@@ -29,8 +32,9 @@ from companion.diagnostics.diagnosis import Diagnosis, from_event, keep_state, r
 from companion.diagnostics.gradients import _variable_path
 from companion.diagnostics.initial import before_any_step, describe, nonfinite_variables
 from companion.diagnostics.locate import dtype_name
+from companion.diagnostics.pipeline import locate as locate_in_pipeline
 from companion.diagnostics.remedies import verify
-from companion.diagnostics.scan import loss_function, model_state, scan
+from companion.diagnostics.scan import loss_function, model_state, random_states, scan
 from companion.diagnostics.sources import source_text
 from companion.diagnostics.state import restore, snapshot
 from companion.diagnostics.step import culprit, pack, step_variables, uses_own_step, written_variables
@@ -134,13 +138,24 @@ def diagnose(
     if hasattr(data, "__next__"):  # an iterator or generator: keep what it yields for the re-scans
         data = Replay(data)
     scanned = (model, data, loss_fn, y, sample_weight, batch_size, max_batches, skip_batches)
+    origin = snapshot(random_states(model))  # each scan advances them batch by batch, as fit does
+    try:
+        return _diagnose(model, data, loss_fn, own, scanned, jit_compile, eager_fallback, losses_before, origin)
+    finally:
+        restore(origin)  # the random states as diagnose found them: it changes nothing
+
+
+def _diagnose(model, data, loss_fn, own, scanned, jit_compile, eager_fallback, losses_before, origin):
+    """The scans (XLA, graph, eager), each from the random states ``origin``, and the failing batch's diagnosis."""
     found = scan(*scanned, jit_compile)
     fallback = None
     if found is None and jit_compile:
         fallback = "XLA"
+        restore(origin)
         found = scan(*scanned, False)
     if found is None and eager_fallback:
         fallback = "graph"
+        restore(origin)
         found = scan(*scanned, None)
     if found is None:
         return None
@@ -149,6 +164,8 @@ def diagnose(
     result = _diagnose_batch(
         model, loss_fn, index, x, y_true, weights, compiled, jit_compile, fallback, tuple(losses_before)
     )
+    if result.cause == "nonfinite_input" and isinstance(data, tf.data.Dataset):
+        result = locate_in_pipeline(result, data)  # the map function's op and line, where a map made it
     result = verify(result, model, loss_fn, x, y_true, weights)
     keep_state(result, {"kind": "model", "batch": (x, y_true, weights), "variables": state, "own_step": own,
                         "numpy_random": np.random.get_state()})

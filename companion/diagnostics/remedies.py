@@ -8,8 +8,9 @@ case's, where it is mechanical and can be tried on the failing step itself:
   are float32 already), the cure Keras' mixed-precision guide gives, not the cause's
   generic list; for a layer of the user's own with sublayers, ``dtype="float32"`` for
   each layer it creates as well (they take the global policy, not their parent's);
-* a NaN or Inf in the batch: the step without the rows that hold it (clean or drop them
-  in the input pipeline);
+* a NaN or Inf in the batch: where a ``tf.data`` map made it, the clamp on that map's
+  line (:mod:`.pipeline` checks it on the elements the map made non-finite), else the
+  step without the rows that hold it (clean or drop them in the input pipeline);
 * values that grew over the previous steps (``divergence``): the optimizer as compiled
   with a learning rate ten times smaller, or else with ``clipnorm=1.0`` (written as the
   call to make): the first of the two that verifies;
@@ -191,8 +192,13 @@ def _verify(d, model, loss_fn, x, y, w, steps=None):
         label = f"row{'s' if len(rows) > 1 else ''} {shown}"
         remedy = f"drop or impute {label} of the batch in the input pipeline (e.g. dataset.filter on tf.math.is_finite)"
         if not len(keep):
+            if d.remedy and (d.verified or "").startswith("verified"):  # the map's line, checked by .pipeline
+                return d.remedy, d.verified
             return remedy, "not verified: every row of the batch holds a non-finite value"
         finite = _finite_step(model, loss_fn, _without(x, keep), _without(y, keep), _without(w, keep))
+        if d.remedy and (d.verified or "").startswith("verified") and finite:
+            # the clamp on the pipeline's own line first: the map's values are finite with it
+            return d.remedy, f"{d.verified}; and the failing step is finite without {label}"
         return remedy, (f"verified: the step is finite without {label}" if finite
                         else f"not verified: the step is still non-finite without {label}")
     remedy, clamp = choice(d)

@@ -20,6 +20,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from companion import _internal
 from companion._gradients import all_finite
 from companion.diagnostics.capsule_file import variables_state
 from companion.diagnostics.data import batches, nonfinite_data
@@ -34,6 +35,7 @@ __all__ = [
     "ensure_built",
     "loss_function",
     "model_state",
+    "random_states",
     "run_scan_step",
     "scan",
 ]
@@ -87,13 +89,43 @@ def before_step(model, own: bool) -> list:
     return snapshot(step_variables(model)) if own else model_state(model)
 
 
-def run_scan_step(model, step, own: bool, x, y_true, weights) -> tuple[bool, list[str], list[str]]:
-    """One scanning step with every variable restored: ``(loss ok, bad variables, bad logs)``."""
+def random_states(model) -> list:
+    """The random states a training step advances: the model's ``SeedGenerator`` states and the global ones.
+
+    ``fit`` draws batch k's dropout masks, noise and timesteps (``keras.random.*`` with a
+    ``SeedGenerator``, or unseeded from Keras' global one, or TensorFlow's global
+    ``tf.random.Generator``) from the states k steps have advanced; the scan keeps them
+    advancing from batch to batch (:func:`run_scan_step` with ``advance=True``), so
+    batch k draws what ``fit`` drew at step k.
+    """
+    found = [v for v in model.variables if str(getattr(v, "name", "")).rpartition("/")[2].startswith(
+        "seed_generator_state")]
+    found += _internal.global_random_states()
+    unique, seen = [], set()
+    for variable in found:
+        if id(variable) not in seen:
+            seen.add(id(variable))
+            unique.append(variable)
+    return unique
+
+
+def run_scan_step(model, step, own: bool, x, y_true, weights,
+                  advance: bool = False) -> tuple[bool, list[str], list[str]]:
+    """One scanning step with every variable restored: ``(loss ok, bad variables, bad logs)``.
+
+    ``advance``: the random states (:func:`random_states`) keep the values the step left
+    them at, as after a step of ``fit``; everything else is put back.
+    """
     saved = before_step(model, own)
+    moved = None
     try:
         first, second = step(x, y_true, weights)
+        if advance:
+            moved = snapshot(random_states(model))
     finally:
         restore(saved)
+        if moved is not None:
+            restore(moved)
     first, second = np.asarray(first), np.asarray(second)
     if own:
         bad_logs = [name for name, ok in zip(step.log_names, first) if not ok]
@@ -104,7 +136,13 @@ def run_scan_step(model, step, own: bool, x, y_true, weights) -> tuple[bool, lis
 
 
 def scan(model, data, loss_fn, y, sample_weight, batch_size, max_batches, skip, jit):
-    """The first non-finite batch: ``(index, batch, {"loss": bool, "variables": [...], ...})``."""
+    """The first non-finite batch: ``(index, batch, {"loss": bool, "variables": [...], ...})``.
+
+    Batch k is run with the random states ``fit`` had at step k (each batch's step
+    advances them, as ``fit``'s does), and the scan stops with them as they were before
+    the failing batch, so that its re-runs draw the same numbers; the caller puts them
+    back afterwards (``diagnose`` does).
+    """
     step = None
     own = loss_fn is None
     for index, batch in enumerate(batches(data, y, sample_weight, batch_size)):
@@ -117,12 +155,15 @@ def scan(model, data, loss_fn, y, sample_weight, batch_size, max_batches, skip, 
         if step is None:
             step = OwnStepScan(model, jit) if own else compiled_step(model, loss_fn, jit)
         bad_data = bool(nonfinite_data(batch))
+        before = snapshot(random_states(model))
         try:
-            loss_ok, names, bad_logs = run_scan_step(model, step, own, x, y_true, weights)
+            loss_ok, names, bad_logs = run_scan_step(model, step, own, x, y_true, weights, advance=True)
         except Exception:
             if not bad_data:
                 raise
             loss_ok, names, bad_logs = False, [], []
+        if bad_data or not (loss_ok and not names):
+            restore(before)  # the failing batch's random states, for its re-runs
         if bad_data:
             return index, batch, {"loss": not loss_ok, "variables": names, "data": True, "logs": bad_logs,
                                   "state": variables_state(model), "own": own}
