@@ -252,7 +252,10 @@ def _probabilities_crossentropy(fixed: bool):
         return tf.reduce_mean(-tf.reduce_sum(y_true * tf.math.log(y_pred), axis=1))
 
     loss = keras.losses.CategoricalCrossentropy(from_logits=True) if fixed else cross_entropy
-    model.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss, jit_compile=True)
+    from companion.book.debugging import xla_allowed  # noqa: PLC0415 - debugging imports this module
+
+    with xla_allowed():  # Keras drops jit_compile=True under op determinism, which setup() enables
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss, jit_compile=True)
     rng = np.random.default_rng(0)
     x = (300.0 * rng.normal(size=(32, 2))).astype(np.float32)  # unscaled features
     y = keras.utils.to_categorical(rng.integers(0, 3, size=32), 3).astype(np.float32)
