@@ -218,6 +218,11 @@ def classify(event, masked_selects: Sequence = (), *, loss_finite: bool = True) 
             cause, summary = _forward_cause(forward.op_type, forward.inputs, event, in_backward=True)
             if cause != "unclassified":
                 return cause, summary
+        # An op of TensorFlow's own gradient formula at an edge (0 * log 0 in Igamma's
+        # gradient): read from that op's inputs, and traced to the forward op's argument.
+        cause, summary = _forward_cause(event.record.op_type, event.record.inputs, event, in_backward=False)
+        if cause != "unclassified" and event.forward_type:
+            return cause, summary + _gradient_argument(event)
         return _output_cause(event.record.op_type, event.record.inputs, event)
     cause, summary = _forward_cause(event.record.op_type, event.record.inputs, event, in_backward=False)
     if cause == "unclassified":
@@ -384,7 +389,7 @@ RECOGNISED_ELSEWHERE: dict[str, str] = {
     "nonfinite_weights": "companion.diagnostics.doctor (the weights are checked before the re-run)",
     "nonfinite_init": "companion.diagnostics.doctor and .initial (the weights, before any step)",
     "where_trap": "classify (a masked tf.where above a failing gradient)",
-    "overflow": "_output_cause (an infinite output from finite inputs)",
+    "overflow": "_output_cause (an infinite output from finite inputs, finite and too large in float64)",
     "inf_arithmetic": "_output_cause (0 * Inf, Inf - Inf, a fully masked row)",
     "domain_edge": "_output_cause (a non-finite output from finite inputs) and RULES",
     "divergence": "companion.diagnostics.doctor (grew: the losses before the failure)",
@@ -406,6 +411,81 @@ def _forward_cause(op: str, inputs: Sequence, event, *, in_backward: bool) -> tu
     return "unclassified", ""
 
 
+def argument_names(op: str) -> list[str]:
+    """The names of an op's inputs, in order (``["a", "x"]`` for ``Igamma``), from ``tf.raw_ops``."""
+    import inspect  # noqa: PLC0415
+
+    import tensorflow as tf  # noqa: PLC0415 - the rules read NumPy values; only this asks TensorFlow
+
+    function = getattr(tf.raw_ops, op, None)
+    if function is None:
+        return []
+    try:
+        return [name for name in inspect.signature(function).parameters if name != "name"]
+    except (TypeError, ValueError):
+        return []
+
+
+def _gradient_argument(event) -> str:
+    """``"; at argument 2 (x) of Igamma ..."``: the forward op's input that the failing gradient op read."""
+    forward = event.forward
+    if forward is None or not event.record.inputs:
+        return f", inside TensorFlow's gradient of {event.forward_type}"
+    inner = _as_float(event.record.inputs[0])
+    names = argument_names(forward.op_type)
+    for index, array in enumerate(forward.inputs):
+        array = _as_float(array)
+        if array is None or inner is None or np.shape(array) != np.shape(inner):
+            continue
+        if np.array_equal(array, inner, equal_nan=True):
+            name = f" ({names[index]})" if index < len(names) else ""
+            return (f", inside TensorFlow's gradient of {forward.op_type}: argument {index + 1}{name} of "
+                    f"{forward.op_type}")
+    return f", inside TensorFlow's gradient of {forward.op_type}"
+
+
+def _in_float64(op: str, inputs: Sequence) -> np.ndarray | None:
+    """The op's first output recomputed from the same inputs in float64, or ``None`` if it cannot be."""
+    import tensorflow as tf  # noqa: PLC0415
+
+    names = argument_names(op)
+    if not names or len(inputs) > len(names) or any(a is None or np.iscomplexobj(a) for a in inputs):
+        return None
+    try:
+        value = getattr(tf.raw_ops, op)(**{n: tf.constant(np.asarray(a, np.float64)) for n, a in zip(names, inputs)})
+        value = value[0] if isinstance(value, (list, tuple)) else value
+        return np.asarray(value.numpy(), np.float64)
+    except Exception:  # noqa: BLE001 - an op without a float64 kernel, or with attributes to give
+        return None
+
+
+def _beyond_range(op: str, inputs: Sequence, output: np.ndarray) -> tuple[str, str] | None:
+    """What the same op computes in float64 where it was not finite: beyond the dtype's range, or not a number.
+
+    An infinite output from finite inputs is an overflow only if the true value is
+    finite and too large for the dtype (``lgamma``, ``exp``, ``pow``, a Bessel function
+    of a large argument); a pole or an edge of the domain (``log`` of 0, ``ndtri`` of 1)
+    is infinite or NaN at any precision.
+    """
+    if output.dtype.kind != "f" or output.dtype.itemsize >= 8:
+        return None
+    exact = _in_float64(op, inputs)
+    if exact is None or exact.shape != output.shape:
+        return None
+    bad = ~np.isfinite(np.asarray(output, np.float64))
+    limit = float(np.finfo(output.dtype).max)
+    values = exact[bad]
+    too_large = np.isfinite(values) & (np.abs(values) > limit)
+    if too_large.any() and not np.isnan(values).any():  # the rest beyond float64's range as well
+        return "overflow", (f"{_count(bad)} of {output.size} outputs of {op} are beyond {output.dtype}'s max "
+                            f"{limit:.5g}: up to {float(np.max(np.abs(values[too_large]))):.3g} in float64")
+    if not np.isfinite(values).any():
+        what = "NaN" if np.isnan(values).all() else "infinite"
+        return "domain_edge", (f"{op} made {_count(bad)} of {output.size} values non-finite from finite inputs, "
+                               f"{what} in float64 as well (a pole or the edge of its domain)")
+    return None
+
+
 def _output_cause(op: str, inputs: Sequence, event) -> tuple[str, str]:
     """The cause seen from what the op made of its inputs: overflow, 0*Inf, Inf-Inf."""
     ins = [_as_float(a) for a in inputs]
@@ -423,6 +503,9 @@ def _output_cause(op: str, inputs: Sequence, event) -> tuple[str, str]:
             return "inf_arithmetic", f"{op} multiplies 0 by Inf: {share}"
         return "inf_arithmetic", share
     if output is not None and not np.iscomplexobj(output):
+        exact = _beyond_range(op, ins, output)
+        if exact is not None:  # what the values did, at a precision that holds them
+            return exact
         out = np.asarray(output, np.float64)
         if np.isinf(out).any() and (op in OVERFLOW_OPS or event.backward):
             finfo = np.finfo(output.dtype) if output.dtype.kind == "f" else None

@@ -412,12 +412,15 @@ def _verify_divergence(d, model, x, y, w, steps):
                              "NaNDoctor from the start)")
         steps = Steps([], [], lambda: [(x, y, w)], 1, "the weights before it")
     tries = []
-    if rate is not None:
+    if rate is not None and rate > 0:  # a negative rate (a schedule below 0) is not cured by a tenth of it
         tries.append((smaller, f"learning_rate={rate / 10:.3g}", lambda: _learning_rate(optimizer, rate / 10)))
     if not (optimizer.clipnorm and optimizer.clipnorm <= 1.0):
         shown = f"learning_rate={rate:.3g}, " if rate is not None else ""
+        why = ("the learning rate at the failing step is {:.3g}: the schedule went below 0 and the steps climb "
+               "the loss; clip it at 0 as well".format(rate) if rate is not None and rate <= 0
+               else "the weights grew step after step")
         tries.append((f"recompile with gradient clipping: keras.optimizers.{name}({shown}clipnorm=1.0) "
-                      "(each gradient's norm at most 1; the weights grew step after step)",
+                      f"(each gradient's norm at most 1; {why})",
                       "clipnorm=1.0", lambda: _clipnorm(optimizer, 1.0)))
     if not tries:
         return smaller, None

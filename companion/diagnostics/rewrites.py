@@ -267,6 +267,45 @@ def _safe_value(op: str | None, source: str | None, code: str, dtype: str | None
     return None
 
 
+#: What classify says of a log or division at 0 inside TensorFlow's own gradient formula.
+GRADIENT_EDGE = re.compile(r"inside TensorFlow's gradient of (\w+): argument (\d+) \((\w+)\) of")
+
+
+def _snake(op: str) -> str:
+    """How Python spells an op's function: ``Igamma`` -> ``igamma``, ``BesselI1`` -> ``bessel_i1``."""
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", op).lower()
+
+
+def _gradient_edge(d, at: str, line: str, eps: float) -> "tuple[str, Clamp | None] | None":
+    """A log or division at 0 inside TensorFlow's gradient of the op the line calls: that argument kept off 0.
+
+    TensorFlow's gradient of ``igamma(a, x)`` computes ``(a - 1) * log(x)``: at ``a = 1,
+    x = 0`` it is ``0 * -inf = NaN`` though the function and its true derivative are
+    finite there. The user cannot edit the gradient; the argument it takes the log of
+    (found by value, see :func:`~companion.diagnostics.causes.classify`) is clamped at
+    the dtype's eps on the user's line instead.
+    """
+    found = GRADIENT_EDGE.search(d.inputs_summary or "")
+    if found is None or d.cause not in ("log_of_zero", "division_by_zero", "domain_edge"):
+        return None
+    op, index, argument = found.group(1), int(found.group(2)) - 1, found.group(3)
+    name = _snake(op)
+    call = re.search(rf"((?:[A-Za-z_]\w*\.)*{re.escape(name)})\(", line)
+    if call is None:
+        return None
+    from companion.diagnostics.causes import argument_names  # noqa: PLC0415 - causes imports nothing of ours
+
+    names = argument_names(op) or [argument]
+    before = ", ".join(names)
+    after = ", ".join(f"tf.maximum({n}, {eps:.3g})" if i == index else n for i, n in enumerate(names))
+    spelled = call.group(1)
+    return (f"{at}the {d.op} at 0 is in TensorFlow's gradient of {spelled}, which you cannot edit: "
+            f"{spelled}({before}) -> {spelled}({after}) ({argument} kept off 0, where that gradient is "
+            "0 * log 0 or 1/0)",
+            Clamp((name,), _nth(index, argument, lambda x: tf.maximum(x, _like(eps, x))),
+                  f"{name}'s {argument} clamped at {eps:.3g}"))
+
+
 def choose(d) -> str | None:
     """The first remedy for diagnosis ``d``, written against its line, or ``None``.
 
@@ -294,6 +333,9 @@ def choice(d) -> tuple[str | None, "Clamp | None"]:
         return _where_trap(at, op, d.source, line, d.dtype), None
     if d.cause == "inf_arithmetic" and re.search(r"-\s*(np\.|math\.|float\(\")?inf", code):
         return f"{at}a large finite negative mask instead of -inf: -1e9 (float32) or -3e4 (float16)", None
+    edge = _gradient_edge(d, at, line, eps)
+    if edge is not None:
+        return edge
     if not _spelled(op, line) and op in SPELLING and d.cause != "overflow":
         return _inside_library(at, op, line, eps)
     spelled = (SPELLING.get(op, "").rpartition(".")[2],)
@@ -376,6 +418,20 @@ def _like(value: float, x):
 def _first(clamp):
     def call(original, x, *args, **kwargs):
         return original(clamp(tf.convert_to_tensor(x)), *args, **kwargs)
+
+    return call
+
+
+def _nth(index: int, keyword: str, clamp):
+    """A call with its ``index``-th argument (or the keyword ``keyword``) clamped."""
+
+    def call(original, *args, **kwargs):
+        args = list(args)
+        if len(args) > index:
+            args[index] = clamp(tf.convert_to_tensor(args[index]))
+        elif keyword in kwargs:
+            kwargs[keyword] = clamp(tf.convert_to_tensor(kwargs[keyword]))
+        return original(*args, **kwargs)
 
     return call
 
