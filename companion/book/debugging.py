@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import os
 import re
 import shutil
@@ -258,7 +259,8 @@ def terminate_on_nan_run(key: str, xla: bool) -> ToolRun:
     """
     r = _rebuild(key, xla)
     seen = _Batches()
-    _fit(r, callbacks=[seen, keras.callbacks.TerminateOnNaN()])
+    with contextlib.redirect_stdout(io.StringIO()):  # its "Batch 0: Invalid loss, terminating training"
+        _fit(r, callbacks=[seen, keras.callbacks.TerminateOnNaN()])
     stopped = bool(r.model.stop_training)
     batch = f"epoch {seen.epoch}, batch {seen.batch}" if stopped else None
     return ToolRun("TerminateOnNaN", bool(r.model.jit_compile), stopped, None, None, batch, _finite(r.model))

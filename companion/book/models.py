@@ -18,7 +18,7 @@ from companion.attention import AttentionBlock
 from companion.numerics import bounded, bounded_inverse, log_exp_pow, safe_pow, signed_pow
 from companion._checks import check_int, is_half
 
-__all__ = ["FIXES", "FIX_NAMES", "ParameterNet"]
+__all__ = ["FIXES", "FIX_NAMES", "BasisPower", "ParameterNet"]
 
 #: Every fix, in the order they are applied; ``ParameterNet``'s default turns all on.
 FIXES: tuple[str, ...] = ("safe_power", "signed_power", "bounded_exponents", "scaled_attention", "layer_norm")
@@ -359,3 +359,42 @@ class ParameterNet(keras.Model):
             }
         )
         return config
+
+
+@keras.saving.register_keras_serializable(package="companion.book")
+class BasisPower(keras.Model):
+    """Case A's basis transforms on one term: ``d * (a * x) ** b``, with ``a``, ``b``, ``d`` learned.
+
+    The seed question's model without its attention: ``x -> a x``, ``x -> x ** b`` and
+    ``f -> d f``, computed with ``tf.pow`` as the question does (or with
+    :func:`companion.numerics.safe_pow` when ``safe=True``). Trained towards
+    ``sqrt(x)`` on inputs that include ``x = 0``, ``b`` falls from its start below 1,
+    where the gradient of ``tf.pow`` with respect to its base, ``b (a x) ** (b - 1)``, is
+    infinite at 0: a ``NaN`` after many finite steps.
+
+    Args:
+        b: the exponent's initial value (``a`` and ``d`` start at 1).
+        safe: compute the power with :func:`companion.numerics.safe_pow`.
+        **kwargs: passed to ``keras.Model``.
+
+    Example:
+        >>> model = BasisPower(b=2.0)
+        >>> float(model(tf.constant([[3.0]]))[0, 0])
+        9.0
+    """
+
+    def __init__(self, b: float = 2.0, safe: bool = False, **kwargs):
+        super().__init__(**kwargs)
+        self.initial_b, self.safe = float(b), bool(safe)
+        self.a = self.add_weight(shape=(), initializer="ones", name="a")
+        self.b = self.add_weight(shape=(), initializer=keras.initializers.Constant(self.initial_b), name="b")
+        self.d = self.add_weight(shape=(), initializer="ones", name="d")
+
+    def call(self, x):
+        if self.safe:
+            return self.d * safe_pow(self.a * x, self.b)
+        return self.d * tf.pow(self.a * x, self.b)
+
+    def get_config(self):
+        return {**super().get_config(), "b": self.initial_b, "safe": self.safe}
+

@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from companion.numerics import double_where
 
-__all__ = ["REPORTS", "CustomStep", "Rebuild", "ReportInfo", "rebuild", "run_as_reported"]
+__all__ = ["REPORTS", "CustomStep", "Rebuild", "ReportInfo", "rebuild", "reporter_step", "run_as_reported"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,6 +363,43 @@ def rebuild(key: str, fixed: bool = False, seed: int = 0) -> Rebuild:
     return _BUILDERS[key](fixed)
 
 
+def reporter_step(r: Rebuild) -> Callable:
+    """The training step of a loop-mode rebuild, as its reporter's loop calls it.
+
+    ``step(x, y)`` computes ``r.loss`` on ``r.model(x)`` under a ``tf.GradientTape``,
+    applies the gradients with ``r.optimizer`` and returns the loss; for the
+    ``"tf.function loop"`` mode it is wrapped in ``tf.function``. Hand it to
+    :func:`companion.diagnostics.diagnose_function` with a batch to diagnose the
+    reporter's own step.
+
+    Args:
+        r: a :class:`Rebuild` of a loop mode (``r.loss`` and ``r.optimizer`` set).
+
+    Returns:
+        The step function.
+
+    Raises:
+        ValueError: if ``r`` is trained with ``fit``.
+
+    Example:
+        >>> r = rebuild("where_activation")
+        >>> step = reporter_step(r)
+        >>> bool(np.isfinite(float(step(*r.data))))
+        True
+    """
+    if r.loss is None or r.optimizer is None:
+        raise ValueError(f"{r.key!r} is trained with fit, not a loop of its own: use NaNDoctor or diagnose")
+    variables = r.model.trainable_variables
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = r.loss(y, r.model(x))
+        r.optimizer.apply(tape.gradient(loss, variables), variables)
+        return loss
+
+    return tf.function(step) if REPORTS[r.key].mode == "tf.function loop" else step
+
+
 def run_as_reported(r: Rebuild, callbacks=()) -> dict[str, Any]:
     """Train a rebuild the way its reporter did, for ``r.epochs`` epochs.
 
@@ -396,16 +433,7 @@ def run_as_reported(r: Rebuild, callbacks=()) -> dict[str, Any]:
         losses = [float(v) for v in history.history["loss"]]
     else:
         x, y = r.data
-        variables = r.model.trainable_variables
-
-        def step(x, y):
-            with tf.GradientTape() as tape:
-                loss = r.loss(y, r.model(x))
-            r.optimizer.apply(tape.gradient(loss, variables), variables)
-            return loss
-
-        if mode == "tf.function loop":
-            step = tf.function(step)
+        step = reporter_step(r)
         losses = [float(step(x, y)) for _ in range(r.epochs)]
     weights_finite = all(bool(np.isfinite(v.numpy()).all()) for v in r.model.weights)
     return {"losses": losses, "weights_finite": weights_finite}

@@ -24,6 +24,7 @@ __all__ = [
     "seed_blended_f",
     "seed_bounded_exponent",
     "seed_checked_power",
+    "seed_gradients",
     "seed_gradient_formula",
     "seed_question_f",
     "seed_scaled_dot_product_attention",
@@ -116,6 +117,30 @@ def seed_train_step(model, optimizer):
         return loss
 
     return train_step
+
+
+def seed_gradients(model):
+    """The answer's ``train_step`` up to its gradients: no clipping, no update.
+
+    The same loss and tape as :func:`seed_train_step`, returning the gradients instead of
+    applying them, so that a step that does not write variables can be run again: by
+    :func:`companion.diagnostics.diagnose_function`, which re-runs such a step with its
+    remedy applied (``checked: verified ...``).
+
+    Args:
+        model: a Keras model, called as ``model(x)``.
+
+    Returns:
+        ``gradients(x, y)``: the gradients of the answer's loss with respect to
+        ``model.trainable_variables``.
+    """
+
+    def gradients(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.keras.losses.MSE(y, model(x))
+        return tape.gradient(loss, model.trainable_variables)
+
+    return gradients
 
 
 def seed_checked_power(x, a, b) -> tf.Tensor:
