@@ -106,3 +106,99 @@ def in_backprop(frame) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+# --------------------------------------------------------------------------------------
+# The ops inside a functional op (the guard's deferred update reads what a step writes)
+# --------------------------------------------------------------------------------------
+# Relies on: a graph's ``_get_function(name)`` returning the function that a functional
+# op (``While``, ``If``, ``PartitionedCall``: an RNN layer's loop, a ``tf.cond``) names in
+# its ``func`` attributes, with its ``FunctionDef`` as ``.definition``.
+# Why: the guarded step defers the optimizer's update only if the traced step never
+# writes the weights itself; a functional op that takes a weight's handle may only read
+# it (an LSTM's loop), and its body says which.
+# If gone: ``None``; the guard counts such an op as a write and traces the step again
+# with the masked update (same results, a copy of the weights per step), with a warning.
+
+#: Ops that only read a resource variable (any other op that takes its handle may write it).
+READ_OPS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape", "VarIsInitializedOp"})
+
+
+@hook("test_the_ops_inside_a_functional_op_are_readable")
+def functional_op_writes(op) -> bool | None:
+    """Whether a functional op's functions (its branches, its loop's body, nested calls)
+    contain an op that may write a resource; ``None`` if they cannot be read or ``op``
+    calls no function."""
+    getter = getattr(op.graph, "_get_function", None)
+    if getter is None:
+        warn_once("graph_get_function", "tf.Graph has no _get_function: the guard cannot look inside a loop or a "
+                  "conditional of the step, and traces it with the masked update")
+        return None
+    pending = [op.node_def.attr[a].func.name for a in op.node_def.attr if op.node_def.attr[a].HasField("func")]
+    if not pending:
+        return None  # not a functional op
+    seen: set[str] = set()
+    while pending:
+        name = pending.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        function = getter(name)
+        definition = getattr(function, "definition", None)
+        if definition is None:
+            return None
+        for node in definition.node_def:
+            nested = [node.attr[a].func.name for a in node.attr if node.attr[a].HasField("func")]
+            pending.extend(nested)
+            if nested or node.op in READ_OPS:
+                continue
+            if node.op.startswith(("Assign", "ResourceApply", "ResourceSparseApply", "ResourceScatter",
+                                   "ResourceStridedSliceAssign", "DestroyResourceOp")):
+                return True
+    return False
+
+
+# --------------------------------------------------------------------------------------
+# Op determinism, read and turned off (the book's XLA runs), and Debugger V2's reader
+# --------------------------------------------------------------------------------------
+# Relies on: ``tensorflow.python.framework.config.is_op_determinism_enabled`` and
+# ``disable_op_determinism`` (the public API can only enable it; Keras reads the first
+# to drop ``jit_compile=True``), and ``tensorflow.python.debug.lib.debug_events_reader``
+# (the ``DebugDataReader`` TensorBoard's debugger plugin reads a Debugger V2 dump with).
+# Why: the doctor's chapter compares TensorFlow's own tools with the doctor under XLA.
+# If gone: determinism is taken as off and left alone; the reader is ``None`` (the
+# chapter's Debugger V2 row says it could not read the dump).
+
+
+@hook("test_op_determinism_can_be_read_and_turned_off")
+def op_determinism_enabled() -> bool:
+    """Whether TensorFlow's op determinism is on."""
+    try:
+        from tensorflow.python.framework import config  # noqa: PLC0415
+    except ImportError:  # pragma: no cover
+        warn_once("op_determinism", "tensorflow.python.framework.config is gone: op determinism taken as off")
+        return False
+    return bool(config.is_op_determinism_enabled())
+
+
+@hook("test_op_determinism_can_be_read_and_turned_off")
+def disable_op_determinism() -> None:
+    """Turn TensorFlow's op determinism off."""
+    try:
+        from tensorflow.python.framework import config  # noqa: PLC0415
+    except ImportError:  # pragma: no cover
+        warn_once("op_determinism", "tensorflow.python.framework.config is gone: op determinism left as it is")
+        return
+    config.disable_op_determinism()
+
+
+@hook("test_a_debugger_v2_dump_can_be_read")
+def debug_events_reader():
+    """The module with Debugger V2's ``DebugDataReader``, or ``None``."""
+    try:
+        from tensorflow.python.debug.lib import debug_events_reader as reader  # noqa: PLC0415
+    except ImportError:  # pragma: no cover
+        warn_once("debug_events_reader", "tensorflow.python.debug.lib.debug_events_reader is gone: a Debugger V2 "
+                  "dump cannot be read")
+        return None
+    return reader

@@ -16,6 +16,7 @@ Its modules:
 * ``survey``: the survey of public NaN reports behind the checklist chapter;
 * ``cases``: the checklist's cases, one naive computation and its fix per row;
 * ``reports``: public NaN reports rebuilt as runnable models, for the doctor's chapter;
+* ``debugging``: TensorFlow's and Keras' own NaN tools run on those reports, beside the doctor;
 * ``accuracy``: errors in ulp against an mpmath reference (needs mpmath);
 * ``benchmark_results``: the measured cost of the fixes, as the performance chapter shows it;
 * ``data``: package data: the survey's CSV and the multi-worker chapter's worker script.
@@ -30,6 +31,7 @@ _SUBMODULES = (
     "accuracy",
     "benchmark_results",
     "cases",
+    "debugging",
     "models",
     "notebook",
     "reports",

@@ -43,6 +43,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from companion import _internal
+
 __all__ = [
     "TOOLS",
     "ToolRun",
@@ -86,9 +88,7 @@ class ToolRun:
 
 
 def _determinism_enabled() -> bool:
-    from tensorflow.python.framework import config  # noqa: PLC0415 - where Keras reads it (no public getter)
-
-    return bool(config.is_op_determinism_enabled())
+    return _internal.op_determinism_enabled()  # where Keras reads it (no public getter)
 
 
 @contextlib.contextmanager
@@ -99,9 +99,7 @@ def xla_allowed() -> Iterator[None]:
     is on; a model compiled inside this block keeps ``jit_compile=True``.
     """
     was = _determinism_enabled()
-    from tensorflow.python.framework import config  # noqa: PLC0415 - the public API can only enable it
-
-    config.disable_op_determinism()
+    _internal.disable_op_determinism()  # the public API can only enable it
     try:
         yield
     finally:
@@ -203,7 +201,7 @@ def debugger_v2_run(key: str, xla: bool, dump_root: str | None = None) -> ToolRu
     infinity, and the line the last frame of its creation stack outside TensorFlow and
     Keras.
     """
-    from tensorflow.python.debug.lib import debug_events_reader  # noqa: PLC0415 - Debugger V2's reader
+    debug_events_reader = _internal.debug_events_reader()  # Debugger V2's reader
 
     r = _rebuild(key, xla)
     root = dump_root or tempfile.mkdtemp(prefix="debugger_v2_")

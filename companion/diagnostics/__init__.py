@@ -41,7 +41,6 @@ to the calls from that line for a re-run),
 
 from __future__ import annotations
 
-from companion.diagnostics.callback import NaNDoctor
 from companion.diagnostics.capsule import Replayed, replay
 from companion.diagnostics.causes import CAUSES, Cause
 from companion.diagnostics.diagnosis import Diagnosis
@@ -72,3 +71,14 @@ __all__ = [
     "Replayed",
     "replay",
 ]
+
+
+def __getattr__(name: str):
+    """:class:`NaNDoctor`, imported when first asked for: it runs ``fit``'s steps through
+    :mod:`companion.training`'s guarded step, and ``companion.training`` imports this
+    package's types (an import at the top would be a circle)."""
+    if name == "NaNDoctor":
+        from companion.diagnostics.callback import NaNDoctor
+
+        return NaNDoctor
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

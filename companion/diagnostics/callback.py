@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 import threading
 import warnings
-import weakref
 from typing import Any, Callable
 
 import keras
@@ -13,43 +14,45 @@ import numpy as np
 import tensorflow as tf
 
 from companion import _internal
-from companion._gradients import all_finite
 from companion.diagnostics.data import _unpack, batches
-from companion.diagnostics.doctor import Diagnosis, diagnose, replace
+from companion.diagnostics.diagnosis import Diagnosis, replace
+from companion.diagnostics.doctor import diagnose
 from companion.diagnostics.remedies import LOW_PRECISION, MAX_STEPS, Steps, verify
 from companion.diagnostics.step import step_variables
+from companion.training.patches import ModelPatches, hold_until_fit_ends, restore_leftover
+from companion.training.records import APPLIED, LOSS
+from companion.training.step import GUARDED, GuardedStep, model_cache
 
 __all__ = ["NaNDoctor"]
 
 
 class NaNDoctor(keras.callbacks.Callback):
-    """Diagnose the first batch of ``fit`` that makes anything non-finite: one added line.
+    """Diagnose the first step of ``fit`` that makes anything non-finite: one added line.
 
-    ``model.fit(x, y, callbacks=[NaNDoctor()])``. After every batch the callback
-    looks at every value ``fit`` logs (``loss``, a GAN's ``d_loss`` and ``g_loss``,
-    metrics), and at the model's variables: one compiled call per batch checks that
-    every weight is finite (one fused ``reduce_all(is_finite)``, the one value read
-    back) and copies the weights and the optimizers' state on their device, for the
-    restore (the cost on a clean batch is measured by ``benchmarks/doctor.py``: a few
-    ms per step for a model of a million parameters with Adam on a 2-core CPU, most of
-    it the copy). So a NaN written into the weights behind a
-    finite loss (max-pooling drops NaN: ``maxpool([nan, 1]) = 1``) is named at the
-    batch that wrote it. At the first non-finite value it puts back the copy from
-    before that batch (``fit`` has applied the non-finite update by then), runs
-    :func:`diagnose` on that step's batch (the data ``fit`` was given, in order, or
-    ``data``) — the compiled loss, or the model's own ``train_step`` if it has one or
-    no compiled loss — prints the :class:`Diagnosis` and, by default, stops training,
-    like :class:`keras.callbacks.TerminateOnNaN`. When ``fit`` shuffles arrays
-    (``shuffle=True``, its default), the rows of a step are Keras' own permutation: the
-    callback then keeps the batches ``fit``'s pipeline yields, so the diagnosis and the
-    capsule hold the rows ``fit`` trained on at that step. For a divergence, the
-    remedy (a learning rate ten times smaller, or ``clipnorm=1.0``) is verified by
-    re-running ``fit``'s steps from its start (the weights copied before its first
-    batch) to the failing one with it, after a control re-run without it that must
-    fail as ``fit`` did.
+    ``model.fit(x, y, callbacks=[NaNDoctor()])``. For the length of the ``fit`` call the
+    callback runs ``fit``'s steps through the guarded step of
+    :func:`companion.training.train` (``companion.training.step``): a step whose
+    loss, gradients, logged values or writes (the update's included) are not finite is
+    not applied, so the state before the failing step is the state after it, and no
+    copy of the weights or of the optimizer's state is kept along the way (what it
+    costs is measured by ``benchmarks/scale.py``). A NaN written into the weights behind
+    a finite loss (max-pooling drops NaN: ``maxpool([nan, 1]) = 1``) is named at the
+    step that would have written it. At the first such step the guard is removed,
+    :func:`diagnose` runs on that step's batch — the batch ``fit`` trained on: the rows
+    it shuffled into the step, or the element a reshuffling ``tf.data`` pipeline gave
+    it (the callback taps ``fit``'s pipeline) — with the compiled loss, or the model's
+    own ``train_step`` if it has one or no compiled loss, the :class:`Diagnosis` is
+    printed and, by default, training stops, like
+    :class:`keras.callbacks.TerminateOnNaN`. For a divergence, the remedy (a learning
+    rate ten times smaller, or ``clipnorm=1.0``) is verified by re-running ``fit``'s
+    steps from its start with it, after a control re-run without it that must fail as
+    ``fit`` did: the state at ``fit``'s start is kept once, on its device for a state of
+    up to 16 MiB, else in a temporary file.
 
     The doctor never breaks the run it watches: any failure of its own is a
-    ``RuntimeWarning``, and training goes on (or stops only as ``stop_training`` says).
+    ``RuntimeWarning``, its guard is removed and training goes on as plain ``fit``.
+    Under :func:`companion.training.train`, which skips and diagnoses non-finite steps
+    itself, the callback does nothing.
 
     Args:
         data: the data to diagnose, as ``fit`` takes it; ``None`` uses the ``x``,
@@ -57,15 +60,16 @@ class NaNDoctor(keras.callbacks.Callback):
         loss: passed to :func:`diagnose` (``None``: the compiled loss, or the model's
             own ``train_step``).
         stop_training: stop ``fit`` after the diagnosis (default ``True``).
-        restore_weights: keep the restored finite weights and optimizer state (default
-            ``True``); if ``False`` the non-finite ones are put back after the diagnosis.
+        restore_weights: keep the state from before the failing step (default
+            ``True``); if ``False``, the failing step is applied after the diagnosis,
+            as ``fit`` would have applied it.
         verbose: print the diagnosis (default ``True``).
 
     Attributes:
         diagnosis: the :class:`Diagnosis`, or ``None`` (nothing non-finite yet).
         batch: ``(epoch, batch)`` of ``fit``'s step that made the first non-finite
-            logged value or weight.
-        nonfinite_logs: the names of the logged values that were not finite then.
+            value.
+        nonfinite_logs: the names of the values that step logged that were not finite.
 
     Example:
         >>> keras.utils.set_random_seed(0)
@@ -97,20 +101,20 @@ class NaNDoctor(keras.callbacks.Callback):
         self.batch: tuple[int, int] | None = None
         self.nonfinite_logs: tuple[str, ...] = ()
         self._fit_data = None
+        self._guard: GuardedStep | None = None
+        self._patches: ModelPatches | None = None
         self._reset()
 
     def _reset(self) -> None:
-        self._before = None  # the variables' values before the running batch
-        self._start = None  # ... before fit's first step, and before the epoch's first step
+        self._start = None  # the state at fit's start (a _KeptState), and at the epoch's
         self._epoch_start = None
         self._epoch_first = 0  # the index (counted from fit's start) of the epoch's first step
         self._epoch_steps: list[int] = []  # the steps fit ran in each epoch
         self._losses: list[float] = []
         self._epoch = 0
         self._done = False
-        self._functions = None
         self._steps = 0
-        self._shuffled = False  # fit shuffles the rows of arrays
+        self._shuffled = False  # the steps' batches are known from the tap only
         self._tapped: dict[int, Any] = {}  # step index (from fit's start) -> the batch fit trained on
         self._tapped_bytes = 0
         self._lock = threading.Lock()
@@ -122,28 +126,68 @@ class NaNDoctor(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None) -> None:
         try:
+            restore_leftover(self.model)  # the doctor's guard left by a fit that raised
             self._reset()
             self.diagnosis = None
             self.batch = None
             self.nonfinite_logs = ()
+            if self.model in GUARDED:  # companion.training.train: it skips and diagnoses itself
+                self._done = True
+                return
             self._fit_data = self.data
             if self._fit_data is None:
                 found = _internal.running_fit_arguments(sys._getframe(1))
                 if found is not None:
                     self._fit_data = found
             self._tap(sys._getframe(1))
+            self._install()
+            self._start = _KeptState(_watched(self.model))
         except Exception as error:  # pragma: no cover - the doctor never ends a run
             self._done = True
+            self._uninstall()
             self._warn("could not start", error)
 
+    def _install(self) -> None:
+        """Run fit's steps through a guarded step that stops applying at the first bad one."""
+        model = self.model
+        capacity = max(int(getattr(model, "steps_per_execution", 1) or 1), 1)
+        cache = model_cache(model)
+        key = (
+            "doctor", id(model.optimizer), id(model.distribute_strategy), capacity,
+            tuple(id(v) for v in model.trainable_variables), tuple(id(v) for v in model.metrics_variables),
+            tuple(id(v) for v in model.non_trainable_variables),
+        )
+        step = cache.get(key)
+        if step is None or step.optimizer is not model.optimizer:
+            # Deferred where it is known to be exact (Keras' own train_step): a step of
+            # its own that reads the weights after its update could not be traced again
+            # inside the user's fit.
+            step = GuardedStep(model, model.distribute_strategy, capacity=capacity, guard=True, clip=None, limit=1,
+                               defer=_keras_own_step(model), watch_logs=True)
+            cache[key] = step
+        patches = ModelPatches()
+        self._guard, self._patches = step, patches
+        step.install(patches)
+        hold_until_fit_ends(model, patches)
+        if getattr(model, "train_function", None) is None:  # fit made its own before calling back
+            model.make_train_function(force=True)
+        step.reset(0)
+
+    def _uninstall(self) -> None:
+        patches, self._patches = self._patches, None
+        if patches is not None:
+            patches.restore()
+
     def _tap(self, frame) -> None:
-        """When fit shuffles arrays, keep the batches it trains on (Keras' permutation is its own)."""
+        """Keep the batches fit trains on when it shuffles arrays (Keras' permutation is
+        its own) or reads a ``tf.data`` pipeline (which may reshuffle every epoch)."""
         found = _internal.running_fit_locals(frame, ("x", "shuffle", "steps_per_epoch"))
-        if found is None or not found["shuffle"] or not _is_arrays(found["x"]):
+        if found is None:
+            return
+        x = found["x"]
+        if not (isinstance(x, tf.data.Dataset) or (found["shuffle"] and _is_arrays(x))):
             return
         self._shuffled = True
-        if getattr(self.model, "steps_per_execution", 1) != 1:
-            return  # several steps per callback call: the steps are not told apart
 
         def record(batch) -> None:  # called from tf.data's thread
             size = sum(int(np.asarray(v).nbytes) for v in tf.nest.flatten(batch))
@@ -153,10 +197,14 @@ class NaNDoctor(keras.callbacks.Callback):
                 self._produced += 1
 
         self._untap = _internal.tap_fit_batches(frame, record)
+        if self._untap is None:
+            self._shuffled = _is_arrays(x)  # a dataset is read again, in order (the best left)
 
     def on_train_end(self, logs=None) -> None:
+        self._uninstall()
         untap, self._untap = self._untap, None
         self._tapped = {}
+        self._start = self._epoch_start = None
         if untap is not None:
             try:
                 untap()
@@ -167,10 +215,24 @@ class NaNDoctor(keras.callbacks.Callback):
         self._epoch = epoch
         self._epoch_first = self._steps
         self._epoch_steps.append(0)
-        self._epoch_start = None
-        if self._steps > MAX_STEPS or self._tapped_bytes > MAX_KEPT_BYTES:
+        if self._done:
+            return
+        try:
+            # A small state is kept at every epoch's start too (a re-run from fit's start
+            # of more than MAX_STEPS steps would take too long).
+            self._epoch_start = self._start if epoch == 0 or self._start is None else (
+                _KeptState(self._start.variables, on_disk=False) if self._start.small else None)
+        except Exception as error:  # pragma: no cover - the doctor never ends a run
+            self._epoch_start = None
+            self._warn("could not keep the state at the epoch's start", error)
+        if self._steps > MAX_STEPS or self._tapped_bytes > self._max_kept_bytes():
             # fit's batches from its start would be too many to keep (or to re-run): this epoch's only
             self._forget(self._steps)
+
+    def _max_kept_bytes(self) -> int:
+        """The most bytes of fit's batches kept: at most the weights' bytes, at least 4 MiB."""
+        weights = sum(_nbytes(v) for v in self.model.trainable_variables)
+        return min(MAX_KEPT_BYTES, max(weights, 4 * 2**20))
 
     def _forget(self, before: int) -> None:
         """Drop the kept batches of the steps before ``before``."""
@@ -179,61 +241,34 @@ class NaNDoctor(keras.callbacks.Callback):
                 batch = self._tapped.pop(index)
                 self._tapped_bytes -= sum(int(np.asarray(v).nbytes) for v in tf.nest.flatten(batch))
 
-    def on_train_batch_begin(self, batch, logs=None) -> None:
-        if self._done:
-            return
-        try:
-            if self._functions is None:
-                self._functions = _functions(self.model)
-            if self._before is None:
-                self._before = self._functions.copy()  # asynchronous: nothing is read back
-            if self._start is None:
-                self._start = self._before  # the same tensors: no copy
-            if self._epoch_start is None:
-                self._epoch_start = self._before
-        except Exception as error:
-            self._done = True
-            self._warn("could not copy the weights", error)
-
     def on_train_batch_end(self, batch, logs=None) -> None:
         if self._done:
             return
         try:
-            bad_logs = _nonfinite_logs(logs)
-            functions = self._functions or _functions(self.model)
-            if functions.stale(self.model, self._steps):
-                # An optimizer built in the first step (a GAN's d_optimizer): watch its state too.
-                old = functions
-                self._functions = functions = _functions(self.model)
-                weights_ok, after = bool(functions.finite_now()), functions.copy()
-                if self._before is not None and len(self._before) != len(after):
-                    extended = _extended(old, self._before, functions, after)
-                    if self._start is self._before:
-                        self._start = extended
-                    if self._epoch_start is self._before:
-                        self._epoch_start = extended
-                    self._before = extended
-            else:
-                weights_ok, after = functions.check_and_copy()
-            self._steps += 1
-            if self._epoch_steps:
-                self._epoch_steps[-1] += 1
-            if self._tapped and (self._steps - self._epoch_first > MAX_STEPS or self._tapped_bytes > MAX_KEPT_BYTES):
-                self._forget(self._steps - 1)  # too many to re-run from the epoch's start: the step's own only
-            if not bad_logs and weights_ok:
-                if logs and "loss" in logs:
-                    self._losses.append(_as_float(logs["loss"]))
-                self._before = after
+            records, _ = self._guard.drain()
+            for row, record in enumerate(records):
+                self._steps += 1
+                if self._epoch_steps:
+                    self._epoch_steps[-1] += 1
+                if self._tapped and (self._steps - self._epoch_first > MAX_STEPS
+                                     or self._tapped_bytes > self._max_kept_bytes()):
+                    self._forget(self._steps - 1)  # too many to re-run from the epoch's start: the step's own only
+                if record[APPLIED] >= 0.5:
+                    self._losses.append(float(record[LOSS]))
+                    continue
+                self.nonfinite_logs = tuple(self._guard.nonfinite_logs(row))
+                self._found(self._steps - 1 - self._epoch_first)
                 return
-            self.nonfinite_logs = tuple(bad_logs)
-            self._found(batch)
         except Exception as error:
             self._done = True
+            self._uninstall()
             self._warn(f"failed at batch {batch} of epoch {self._epoch}", error)
 
     def _found(self, batch: int) -> None:
+        """The step ``batch`` of this epoch was not applied: the state is the one before it."""
         self._done = True
         self.batch = (self._epoch, batch)
+        self._uninstall()  # the model's own train_step again, for the diagnosis and what follows
         try:
             self._diagnose(batch)
         finally:
@@ -241,25 +276,19 @@ class NaNDoctor(keras.callbacks.Callback):
                 self.model.stop_training = True
 
     def _diagnose(self, batch: int) -> None:
-        functions = self._functions
-        current = functions.copy()
-        before = self._before if self._before is not None else current
-        functions.assign(before)
         try:
-            try:
-                found = self._run(batch)
-            except Exception as error:
-                found = None
-                self._warn(f"could not diagnose batch {batch} of epoch {self._epoch}", error)
-            self.diagnosis = found
-        finally:
-            if not self.restore_weights:
-                functions.assign(current)
+            found = self._run(batch)
+        except Exception as error:
+            found = None
+            self._warn(f"could not diagnose batch {batch} of epoch {self._epoch}", error)
+        self.diagnosis = found
+        if not self.restore_weights:
+            self._apply_failing_step(batch)
         if self.verbose:
             what = (
                 f"{', '.join(self.nonfinite_logs)} turned non-finite"
                 if self.nonfinite_logs
-                else "the weights turned non-finite (every logged value is finite)"
+                else "the gradients or the update turned non-finite (every logged value is finite)"
             )
             where = f"fit's batch {batch} of epoch {self._epoch}"
             if self.diagnosis is None:
@@ -267,21 +296,33 @@ class NaNDoctor(keras.callbacks.Callback):
             else:
                 print(f"NaN doctor: {what} at {where}.\n{self.diagnosis}", flush=True)
 
+    def _apply_failing_step(self, batch: int) -> None:
+        """``restore_weights=False``: the failing step applied, as ``fit`` applied it."""
+        trained = self._tapped.get(self._steps - 1)
+        if trained is None and not self._shuffled and self._fit_data is not None:
+            data, kwargs = _data_and_arguments(self._fit_data)
+            for number, found in enumerate(batches(data, kwargs.get("y"), kwargs.get("sample_weight"),
+                                                   kwargs.get("batch_size"))):
+                if number == batch:
+                    trained = found
+                    break
+        if trained is None:
+            self._warn("could not apply the failing step (its batch is not known)", LookupError(batch))
+            return
+        x, y, w = _unpack(trained)
+        try:
+            self.model.train_step(keras.utils.pack_x_y_sample_weight(x, y, w))
+        except Exception as error:  # the doctor never raises into fit
+            self._warn("could not apply the failing step", error)
+
     def _run(self, step: int) -> Diagnosis | None:
-        data = self._fit_data
-        if data is None:
+        if self._fit_data is None:
             return None
-        if isinstance(data, dict):
-            kwargs = dict(y=data["y"], sample_weight=data["sample_weight"], batch_size=data["batch_size"])
-            data = data["x"]
-            if kwargs["y"] is None and kwargs["sample_weight"] is None and isinstance(data, (tuple, list)):
-                data = (tuple(data),)  # fit's x=(a, b, c) is one multi-input x, not (x, y, sample_weight)
-        else:
-            kwargs = {}
+        data, kwargs = _data_and_arguments(self._fit_data)
         index = self._steps - 1  # the failing step, counted from fit's start
         trained = self._tapped.get(index)
         found = None
-        if trained is not None:  # the rows fit shuffled into this step, as it trained on them
+        if trained is not None:  # the batch fit trained on at that step, from its pipeline
             found = diagnose(self.model, iter([trained]), self.loss, losses_before=self._losses)
             if found is not None:
                 found = replace(found, batch=step)
@@ -312,7 +353,9 @@ class NaNDoctor(keras.callbacks.Callback):
 
     def _steps_to(self, data, kwargs, index: int) -> Steps | None:
         """fit's steps from the earliest state kept to step ``index``, with their batches."""
-        variables = self._functions.variables
+        if self._start is None:
+            return None
+        variables = self._start.variables
         if self._shuffled:
             first, start = 0, self._start
             if any(self._tapped.get(i) is None for i in range(index + 1)):  # only this epoch's are kept
@@ -327,7 +370,7 @@ class NaNDoctor(keras.callbacks.Callback):
                 for batch in known:
                     yield _unpack(batch)
 
-            return Steps(variables, list(start), shuffled, len(known), origin)
+            return Steps(variables, start.values(), shuffled, len(known), origin)
         if isinstance(data, tf.data.Dataset) or isinstance(data, keras.utils.PyDataset):
             again = " (the dataset read again)"  # one that reshuffles gives another order
         elif _is_arrays(data):
@@ -335,7 +378,7 @@ class NaNDoctor(keras.callbacks.Callback):
         else:  # a generator: reading it again would take batches from fit
             return None
         origin, start, counts = "the start of fit", self._start, list(self._epoch_steps)
-        if index + 1 > MAX_STEPS and self._epoch_start is not None:  # too long a re-run: from the epoch
+        if index + 1 > MAX_STEPS:  # too long a re-run: from the epoch, if its start was kept
             origin, start, counts = f"the start of epoch {self._epoch}", self._epoch_start, counts[-1:]
         if start is None:
             return None
@@ -349,27 +392,68 @@ class NaNDoctor(keras.callbacks.Callback):
                         break
                     yield batch
 
-        return Steps(variables, list(start), in_order, sum(counts), origin)
+        return Steps(variables, start.values(), in_order, sum(counts), origin)
 
 
-def _extended(old: "_Functions", before: list, new: "_Functions", after: list) -> list:
-    """``before`` (the values of ``old``'s variables) for ``new``'s variables.
+def _data_and_arguments(data) -> tuple[Any, dict]:
+    """``fit``'s data and the keyword arguments :func:`diagnose` takes with it."""
+    if not isinstance(data, dict):
+        return data, {}
+    kwargs = dict(y=data["y"], sample_weight=data["sample_weight"], batch_size=data["batch_size"])
+    x = data["x"]
+    if kwargs["y"] is None and kwargs["sample_weight"] is None and isinstance(x, (tuple, list)):
+        x = (tuple(x),)  # fit's x=(a, b, c) is one multi-input x, not (x, y, sample_weight)
+    return x, kwargs
 
-    The variables the first step created (an optimizer's, built by its first
-    ``apply``) had their initial values before it: 0 for the iteration count and the
-    slots (momentum, velocity: Keras creates them as zeros); a loss scale or a learning
-    rate keeps its value now (after a non-finite step a dynamic loss scale is halved).
-    """
-    known = {id(v): value for v, value in zip(old.variables, before)}
-    values = []
-    for variable, value in zip(new.variables, after):
-        if id(variable) in known:
-            values.append(known[id(variable)])
-            continue
-        name = str(getattr(variable, "path", None) or getattr(variable, "name", "")).lower()
-        keeps = "scale" in name or "learning_rate" in name
-        values.append(value if keeps else tf.zeros_like(value))
-    return values
+
+def _keras_own_step(model) -> bool:
+    """Whether ``model``'s ``train_step`` is Keras' own (no subclass overrides it)."""
+    for klass in type(model).__mro__:
+        if "train_step" in vars(klass):
+            return klass.__module__.startswith("keras.")
+    return False
+
+
+def _watched(model) -> list:
+    """Everything a step may write but the random state (a skipped draw is not drawn again)."""
+    return [v for v in step_variables(model) if not _is_random_state(v)]
+
+
+def _is_random_state(variable) -> bool:
+    return any(variable is state for state in _internal.global_random_states())
+
+
+def _nbytes(variable) -> int:
+    count = variable.shape.num_elements() or 0
+    return count * tf.as_dtype(variable.dtype).size
+
+
+#: A state of at most this many bytes is kept on its device (and at every epoch's start);
+#: a larger one once, at fit's start, in a temporary file.
+KEPT_ON_DEVICE_BYTES = 16 * 2**20
+
+
+class _KeptState:
+    """The values of ``variables`` at one moment: on their device if small, else on disk."""
+
+    def __init__(self, variables, on_disk: bool | None = None) -> None:
+        self.variables = list(variables)
+        self.small = sum(_nbytes(v) for v in self.variables) <= KEPT_ON_DEVICE_BYTES
+        if on_disk is None:
+            on_disk = not self.small
+        self._folder = None
+        self._values = None
+        if on_disk:
+            self._folder = tempfile.TemporaryDirectory(prefix="nan-doctor-")
+            for i, v in enumerate(self.variables):
+                np.save(os.path.join(self._folder.name, f"{i}.npy"), np.asarray(tf.convert_to_tensor(v)))
+        else:
+            self._values = [tf.raw_ops.DeepCopy(x=tf.convert_to_tensor(v)) for v in self.variables]
+
+    def values(self) -> list:
+        if self._values is not None:
+            return list(self._values)
+        return [np.load(os.path.join(self._folder.name, f"{i}.npy")) for i in range(len(self.variables))]
 
 
 #: The most bytes of fit's shuffled batches the doctor keeps (beyond: the epoch's, then the step's own only).
@@ -380,89 +464,3 @@ def _is_arrays(x) -> bool:
     """Whether ``x`` is what Keras' array adapter takes (and so shuffles): arrays, nested."""
     leaves = tf.nest.flatten(x)
     return bool(leaves) and all(isinstance(v, (np.ndarray, tf.Tensor)) or hasattr(v, "__array__") for v in leaves)
-
-
-def _as_float(value) -> float:
-    try:
-        return float(np.asarray(value, dtype=np.float64).reshape(-1)[0]) if np.size(value) else float("nan")
-    except (TypeError, ValueError):
-        return float("nan")
-
-
-def _nonfinite_logs(logs) -> list[str]:
-    """The names of the numeric logged values that hold a NaN or an Inf."""
-    bad = []
-    for name, value in (logs or {}).items():
-        try:
-            array = np.asarray(value)
-        except Exception:  # pragma: no cover - a value NumPy cannot read: not a number
-            continue
-        if array.dtype.kind in "fc" and array.size and not np.all(np.isfinite(array)):
-            bad.append(str(name))
-    return bad
-
-
-class _Functions:
-    """The compiled copy, check and assignment of everything a step may write."""
-
-    def __init__(self, model) -> None:
-        self.variables = [v for v in step_variables(model) if not _is_random_state(v)]
-        self.count = len(self.variables)
-        # Checked: the model's own floating-point variables (a NaN that an optimizer slot
-        # holds reaches them in the same step); copied: everything, for an exact restore.
-        own = {id(v) for v in model.variables}
-        floating = [i for i, v in enumerate(self.variables) if tf.as_dtype(v.dtype).is_floating and id(v) in own]
-        variables = self.variables
-
-        def copy():
-            return [tf.raw_ops.DeepCopy(x=v.value) for v in variables]
-
-        def check_and_copy():
-            values = [tf.raw_ops.DeepCopy(x=v.value) for v in variables]
-            return all_finite([values[i] for i in floating]), values
-
-        def finite(values):
-            return all_finite([values[i] for i in floating])
-
-        self.copy = tf.function(copy, autograph=False)
-        self._check_and_copy = tf.function(check_and_copy, autograph=False)
-        self.finite = tf.function(finite, autograph=False)
-        self.finite_now = tf.function(lambda: all_finite([variables[i].value for i in floating]), autograph=False)
-
-    def check_and_copy(self) -> tuple[bool, list]:
-        ok, values = self._check_and_copy()
-        return bool(ok), values
-
-    def stale(self, model, steps: int) -> bool:
-        """After the first step, whether the step created variables (an optimizer's)."""
-        return steps == 0 and len([v for v in step_variables(model) if not _is_random_state(v)]) != self.count
-
-    def assign(self, values) -> None:
-        for variable, value in zip(self.variables, values):
-            variable.assign(value)
-
-
-def _is_random_state(variable) -> bool:
-    return any(variable is state for state in _internal.global_random_states())
-
-
-#: The compiled copy and checks of each model, kept while its variables are the same, so
-#: that a new NaNDoctor on each ``fit`` call does not trace them again.
-_FUNCTIONS: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
-
-
-def _functions(model) -> _Functions:
-    """The :class:`_Functions` of ``model``'s current variables (cached)."""
-    key = tuple(id(v) for v in step_variables(model))
-    try:
-        cached = _FUNCTIONS.get(model)
-    except TypeError:  # pragma: no cover - a model that cannot be weakly referenced
-        cached = None
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    functions = _Functions(model)
-    try:
-        _FUNCTIONS[model] = (key, functions)
-    except TypeError:  # pragma: no cover
-        pass
-    return functions

@@ -11,7 +11,7 @@ The package, one idea per module:
 * ``results``: :class:`TrainingHistory`, :class:`SkippedStep`, :class:`NonFiniteError`,
   :class:`WorkerLostError`.
 * ``inputs``: the checks of :func:`train`'s own arguments.
-* ``step``: the guarded ``train_step`` installed in ``fit`` (:class:`~companion.training.step.GuardedStep`).
+* ``step``: the guarded ``train_step`` installed in ``fit`` (``GuardedStep``).
 * ``deferred``: the model optimizer's update run at the step's end, under one predicate,
   with no copy of the weights or the optimizer's state; ``bounds``: the proof, from
   running bounds, that an update of Keras' SGD, Adam, AdamW or Lion is finite.

@@ -33,6 +33,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+#: A bound not known (or too large to prove anything): larger than any float32, and small
+#: enough that the proof's products and quotients stay finite in float64.
+UNKNOWN = 1e60
+
 #: The optimizers whose update :class:`UpdateBound` can bound (the exact classes: a
 #: subclass may override the update).
 PROVABLE = (keras.optimizers.SGD, keras.optimizers.Adam, keras.optimizers.AdamW, keras.optimizers.Lion)
@@ -76,13 +80,19 @@ class UpdateBound:
 
     def __init__(self, optimizer, variables) -> None:
         self.optimizer = optimizer
-        self.variables = list(variables)
-        self.enabled = provable(optimizer, self.variables)
+        self.use(variables)
+        # Float64 scalars, and "unknown" as UNKNOWN rather than inf: the proof's own
+        # arithmetic stays finite (a user's enable_check_numerics sees every op of it).
         with tf.init_scope():
-            self.weights = tf.Variable(np.inf, dtype=tf.float32, trainable=False, name="guard_weight_bound")
-            self.slots = tf.Variable(np.inf, dtype=tf.float32, trainable=False, name="guard_slot_bound")
+            self.weights = tf.Variable(UNKNOWN, dtype=tf.float64, trainable=False, name="guard_weight_bound")
+            self.slots = tf.Variable(UNKNOWN, dtype=tf.float64, trainable=False, name="guard_slot_bound")
             #: How many updates took the tested path (the proof failed, or is off).
             self.tested = tf.Variable(0, dtype=tf.int64, trainable=False, name="guard_tested_updates")
+
+    def use(self, variables) -> None:
+        """Bound the update of ``variables`` (the ones the optimizer's ``apply`` is given)."""
+        self.variables = list(variables)
+        self.enabled = bool(self.variables) and provable(self.optimizer, self.variables)
 
     def _slots(self) -> list:
         """The optimizer's per-weight state (moments, momentums), not its counters."""
@@ -94,7 +104,8 @@ class UpdateBound:
         negative second moment or anything non-finite leaves the proof off (``inf``)."""
         if not self.enabled or not self.optimizer.built:
             return
-        self._assign_measured()
+        with tf.init_scope():  # eagerly, also when called while the step is traced
+            self._assign_measured()
 
     def _assign_measured(self) -> None:
         self.weights.assign(_largest(self.variables))
@@ -114,14 +125,15 @@ class UpdateBound:
             return tf.constant(False), lambda: None
         optimizer = self.optimizer
         limit = _limit(self.variables, self._slots())
-        g = tf.cast(gradient_bound, tf.float32)
-        lr = tf.abs(tf.cast(learning_rate, tf.float32))
-        w, m = tf.convert_to_tensor(self.weights), tf.convert_to_tensor(self.slots)
-        decay = float(getattr(optimizer, "weight_decay", None) or 0.0)
-        w_decayed = w * (1.0 + lr * abs(decay))
+        g = tf.minimum(tf.cast(gradient_bound, tf.float64), UNKNOWN)
+        lr = tf.minimum(tf.abs(tf.cast(learning_rate, tf.float64)), UNKNOWN)
+        w = tf.minimum(tf.convert_to_tensor(self.weights), UNKNOWN)
+        m = tf.minimum(tf.convert_to_tensor(self.slots), UNKNOWN)
+        decay = min(abs(float(getattr(optimizer, "weight_decay", None) or 0.0)), UNKNOWN)
+        w_decayed = w * (1.0 + lr * decay)
         if isinstance(optimizer, keras.optimizers.Adam):  # AdamW is an Adam
             beta_1, eps = float(optimizer.beta_1), _smallest(float(optimizer.epsilon), self.variables)
-            if not (0.0 <= beta_1 < 1.0) or eps <= 0.0:
+            if not (0.0 <= beta_1 < 1.0 - 1e-12) or eps < 1e-100:
                 return tf.constant(False), lambda: None
             m_next = tf.maximum(m, tf.maximum(g, tf.square(g)))
             step = lr / (1.0 - beta_1) * tf.maximum(m, g) / eps
@@ -129,7 +141,7 @@ class UpdateBound:
             m_next = tf.maximum(m, g)
             step = lr
         else:  # SGD
-            momentum = abs(float(optimizer.momentum))
+            momentum = min(abs(float(optimizer.momentum)), UNKNOWN)
             if momentum:
                 m_next = momentum * m + lr * g
                 step = momentum * m_next + lr * g if optimizer.nesterov else m_next
@@ -137,7 +149,7 @@ class UpdateBound:
                 m_next, step = m, lr * g
         w_next = w_decayed + step
         values = tf.stack([g, tf.square(g), lr, w_next, m_next, step])
-        proved = tf.reduce_all(tf.logical_and(tf.math.is_finite(values), values < limit))
+        proved = tf.reduce_all(values < limit)
 
         def advance():
             self.weights.assign(w_next)
@@ -147,20 +159,20 @@ class UpdateBound:
 
 
 def _largest(variables, nonnegative_names=()) -> tf.Tensor:
-    """The largest ``|entry|`` of ``variables`` (``inf`` if one is not finite, or if one whose
-    name contains one of ``nonnegative_names`` has a negative entry)."""
-    largest = tf.constant(0.0, tf.float32)
+    """The largest ``|entry|`` of ``variables`` (:data:`UNKNOWN` if one is not finite, or if one
+    whose name contains one of ``nonnegative_names`` has a negative entry)."""
+    largest = tf.constant(0.0, tf.float64)
     for v in variables:
         value = tf.convert_to_tensor(v)
         if value.shape.num_elements() == 0:
             continue
         size = tf.abs(value)
-        top = tf.cast(tf.reduce_max(size), tf.float32)
+        top = tf.cast(tf.reduce_max(size), tf.float64)
         # Not finite, or a NaN that the maximum dropped; a sum that overflows is taken as
         # not finite too (the proof is then off: safe).
         bad = tf.logical_not(tf.logical_and(tf.math.is_finite(top), tf.math.is_finite(tf.reduce_sum(size))))
         name = str(getattr(v, "path", None) or v.name)
         if any(n in name for n in nonnegative_names):
             bad = tf.logical_or(bad, tf.reduce_any(value < 0))
-        largest = tf.where(bad, tf.constant(np.inf, tf.float32), tf.maximum(largest, top))
+        largest = tf.where(bad, tf.constant(UNKNOWN, tf.float64), tf.maximum(largest, tf.minimum(top, UNKNOWN)))
     return largest

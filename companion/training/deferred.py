@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-#: Ops that only read a resource variable.
-READ_OPS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape", "VarIsInitializedOp"})
+from companion import _internal
+
 
 
 class Undeferrable(Exception):
@@ -41,8 +41,9 @@ def writes_of_step(graph, first: int, stop: int, after_apply: int | None, state:
 
     Raises :class:`Undeferrable` if one of those ops writes a variable of ``direct`` (what
     the deferred update writes), or if one traced after the update's ``apply`` (op index
-    ``after_apply``) reads one. Any op that takes a variable's handle and is not a plain
-    read counts as a write (a nested function or a conditional included).
+    ``after_apply``) reads one. Any op that takes a variable's handle and is not a read
+    counts as a write: a loop, a conditional or a nested function reads only if nothing
+    inside it writes a resource (:func:`companion._internal.functional_op_writes`).
     """
     handles = {}
     for group, variables in (("state", state), ("direct", direct)):
@@ -55,7 +56,7 @@ def writes_of_step(graph, first: int, stop: int, after_apply: int | None, state:
             if found is None:
                 continue
             group, variable = found
-            reads = op.type in READ_OPS
+            reads = op.type in _internal.READ_OPS or _internal.functional_op_writes(op) is False
             if group == "state":
                 if not reads:
                     written.add(id(variable))
@@ -87,21 +88,16 @@ class DeferredUpdate:
         self.gradient_bound = gradient_bound
 
     def _update(self) -> None:
-        self.step._run_apply(self.apply, self.grads, self.variables)
+        self.step.run_apply(self.apply, self.grads, self.variables)
 
-    def prove(self) -> tf.Tensor:
-        """Whether the update is proved finite (:mod:`companion.training.bounds`)."""
-        self.proved, self._advance = self.step.bound.prove(self.gradient_bound, self.step.inner.learning_rate)
-        return self.proved
-
-    def run(self, finite, direct) -> tf.Tensor:
+    def run(self, finite, direct, on_skip=None) -> tf.Tensor:
         """The update, if ``finite``: proved finite, or tested on a copy and put back if it
-        is not. Returns whether it was applied."""
+        is not. Returns whether it was applied; ``on_skip()`` is traced into the branches
+        that apply nothing (the NaN/Inf counts of a large model)."""
         from companion.training.step import SELECT_LIMIT, _all_finite, _entries, _read
 
         bound = self.step.bound
-        proved = self.proved if hasattr(self, "proved") else self.prove()
-        advance = self._advance
+        proved, advance = bound.prove(self.gradient_bound, self.step.inner.learning_rate)
 
         def untested():
             self._update()
@@ -119,11 +115,19 @@ class DeferredUpdate:
                     tf.raw_ops.AssignVariableOp(resource=variable.handle, value=value)
                 return tf.constant(0)
 
-            tf.cond(ok, lambda: tf.constant(0), put_back)
+            def skipped():
+                put_back()
+                if on_skip is not None:
+                    on_skip()
+                return tf.constant(0)
+
+            tf.cond(ok, lambda: tf.constant(0), skipped)
             bound.remeasure()
             return ok
 
         def skip():
+            if on_skip is not None:
+                on_skip()
             return tf.constant(False)
 
         # One conditional on the usual path (finite and proved), so that each gradient is

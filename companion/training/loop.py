@@ -23,7 +23,7 @@ from companion.optimizers import SkipNonFinite
 from companion.training.checkpoints import TrainingCheckpoint
 from companion.training.cluster import PEER_FAILURES, Cluster, arm_exit_after_worker_loss
 from companion.training.callbacks import CheckpointCallback, GuardCallback, asks_for_batch_hooks
-from companion.training.patches import ModelPatches
+from companion.training.patches import ModelPatches, restore_leftover
 from companion.training.records import DoctorView
 from companion.training.deferred import Undeferrable
 from companion.training.step import GuardedStep, model_cache
@@ -274,6 +274,7 @@ def train(
         # validation_steps says, and counts steps_per_epoch in host calls: 1 there.
         and not steps_per_epoch and not validation_steps
     )
+    restore_leftover(model)  # a NaN doctor's guard left by a fit that raised
     patches = ModelPatches()  # everything this call changes on the model, put back at its end
     if strategy.num_replicas_in_sync > 1 and bool(model.jit_compile):
         # Keras' XLA step under several replicas accesses variables placed on the other

@@ -47,6 +47,7 @@ skipped step, the model's own ``train_step`` and ``test_step`` come back
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 from companion import _internal
@@ -107,3 +108,27 @@ class ModelPatches:
                     delattr(owner, name)
             else:
                 setattr(owner, name, value)
+
+
+#: Patches a callback installed for the length of a ``fit`` call (the NaN doctor's guard),
+#: per model: ``fit`` calls no callback when it raises, so the next ``fit`` of the model
+#: through the doctor, or the next :func:`~companion.training.train`, puts them back first.
+_LEFT: "weakref.WeakKeyDictionary[Any, ModelPatches]" = weakref.WeakKeyDictionary()
+
+
+def hold_until_fit_ends(model, patches: ModelPatches) -> None:
+    """Remember ``patches`` as installed on ``model`` for one ``fit`` call."""
+    _LEFT[model] = patches
+    patches.before_restore(lambda: _LEFT.pop(model, None))
+
+
+def restore_leftover(model) -> bool:
+    """Put back the patches a ``fit`` that raised left on ``model``; whether there were any."""
+    try:
+        patches = _LEFT.pop(model, None)
+    except TypeError:  # pragma: no cover - not weak-referenceable
+        return False
+    if patches is None:
+        return False
+    patches.restore()
+    return True

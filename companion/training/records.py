@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from companion.diagnostics import GradientRecord, GradientReport
+from companion.diagnostics.gradients import GradientRecord, GradientReport
 from companion.training.results import NonFiniteError, SkippedStep, TrainingHistory
 
 #: Columns of a step record.

@@ -16,7 +16,8 @@ from typing import Any
 import keras
 import numpy as np
 
-from companion.diagnostics import Diagnosis, GradientRecord, GradientReport
+from companion.diagnostics.diagnosis import Diagnosis
+from companion.diagnostics.gradients import GradientRecord, GradientReport
 
 __all__ = ["NonFiniteError", "SkippedStep", "TrainingHistory", "WorkerLostError"]
 

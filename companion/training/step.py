@@ -109,7 +109,8 @@ class GuardedStep:
         limit: the consecutive skipped steps after which nothing more is applied.
     """
 
-    def __init__(self, model, strategy, *, capacity: int, guard: bool, clip: float | None, limit: int) -> None:
+    def __init__(self, model, strategy, *, capacity: int, guard: bool, clip: float | None, limit: int,
+                 defer: bool = True, watch_logs: bool = False) -> None:
         self.model = model
         self.optimizer = model.optimizer
         self.loss_scaler = self.optimizer if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer) else None
@@ -133,7 +134,12 @@ class GuardedStep:
         # step's end and applied under one predicate, with no copy of what it writes
         # (DeferredUpdate); off for a step that reads the weights after its update or
         # writes them itself (found while tracing: the step is then traced again, masked).
-        self.deferred = self.masked and not model_cache(model).get("undeferrable")
+        self.deferred = defer and self.masked and not model_cache(model).get("undeferrable")
+        # The NaN doctor's step records which logged values were not finite (fit's logs
+        # show a skipped step's values put back).
+        self.watch_logs = watch_logs and self.replicas == 1
+        self.log_keys: list = []
+        self.log_flags = None
         self.bound = UpdateBound(self.inner, self.variables) if self.deferred and self.inner is not None else None
         self.mode = None  # how the update was compiled, known once traced
         self._slot = _TraceSlot()
@@ -200,6 +206,8 @@ class GuardedStep:
             getattr(self, "_test_function", None) if self.multi_worker else None,
         )
         patches.before_restore(self._keep_functions)
+        GUARDED.add(model)
+        patches.before_restore(lambda: GUARDED.discard(model))
         if self.bound is not None:
             self.bound.measure()  # the weights and moments may have changed since the last call
 
@@ -264,7 +272,8 @@ class GuardedStep:
                     pass
         self.state = state = self._state()
         one = self.replicas == 1
-        deferred = self.deferred and not self.model.jit_compile
+        # (Not in an eager step, run_eagerly: its ops run as they are made, none to read.)
+        deferred = self.deferred and not self.model.jit_compile and tf.inside_function()
         direct: list = []
         if deferred:
             # What the deferred update writes is never copied: the model's trainable
@@ -307,7 +316,10 @@ class GuardedStep:
             # One test for the whole step: its loss, its gradients' norm, every float it
             # logs and every variable it may have written (each replica its own copy).
             now = [_read(v) for v, _ in restored]
-            finite = _all_finite([loss, norm, *_float_values(logs), *now], flatten=_entries(now) <= SELECT_LIMIT)
+            # (The doctor's step tests the gradients' entries instead of their norm: a norm
+            # that overflows from finite entries is not a value fit makes non-finite.)
+            gradients = list(slot.grads.values()) if self.watch_logs else [norm]
+            finite = _all_finite([loss, *gradients, *_float_values(logs), *now], flatten=_entries(now) <= SELECT_LIMIT)
             if not one:
                 # The same decision on every replica and worker.
                 context = tf.distribute.get_replica_context()
@@ -320,11 +332,17 @@ class GuardedStep:
             # so that no gradient outlives its variable's update; then the update, only
             # if everything above is finite and it is proved (or, tested on a copy,
             # found) finite itself.
-            if counts is not None:
-                self._write_counts(counts, written, tf.logical_and(applied, slot.deferred.prove()))
-                counts = None
-            applied = slot.deferred.run(applied, self._direct())
+            on_skip = None
+            if counts is not None and self._few_weights():
+                self._write_counts(counts, written, applied)  # at every step: a few ops
+            elif counts is not None:
+                def on_skip(counts=counts):  # inside the update's conditional: no gradient waits for it
+                    self._write_counts(counts, written, None)
+            counts = None
+            applied = slot.deferred.run(applied, self._direct(), on_skip)
         self._put_back(restored, applied, now)
+        if self.watch_logs and isinstance(logs, dict):
+            self._write_log_flags(logs, written)
         row = tf.stack([tf.cast(loss, tf.float32), tf.cast(norm, tf.float32), tf.cast(applied, tf.float32), scale])
         if one:
             self._record_raw(row, counts, written, consecutive, halted, applied)
@@ -339,6 +357,26 @@ class GuardedStep:
                 logs = self._last_good_logs(logs, applied)
         return self._per_worker_logs(logs)
 
+    def _write_log_flags(self, logs, written) -> None:
+        """Whether each floating logged value of the step was finite, into its row."""
+        keys = [k for k, v in logs.items() if tf.is_tensor(v) and v.dtype.is_floating]
+        if self.log_flags is None or self.log_keys != keys:
+            with tf.init_scope():
+                self.log_flags = tf.Variable(tf.ones([self.capacity, max(len(keys), 1)]), trainable=False,
+                                             name="guard_log_flags")
+            self.log_keys = keys
+        flags = [tf.cast(_all_finite([logs[k]]), tf.float32) for k in keys] or [tf.constant(1.0)]
+        index = tf.reshape(tf.minimum(written, self.capacity - 1), [1, 1])
+        tf.raw_ops.ResourceScatterNdUpdate(ref=self.log_flags.handle, indices=index,
+                                           updates=tf.expand_dims(tf.stack(flags), 0))
+
+    def nonfinite_logs(self, row: int) -> list[str]:
+        """The logged values that were not finite at ``row`` of the last drained records."""
+        if self.log_flags is None:
+            return []
+        flags = tf.convert_to_tensor(self.log_flags).numpy()[min(row, self.capacity - 1)]
+        return [key for key, flag in zip(self.log_keys, flags) if flag < 0.5]
+
     def _write_counts(self, counts, written, applied) -> None:
         """The step's NaN/Inf counts into its row of the buffer, unless ``applied``."""
         if self.counts.shape[-1] != len(self.variables):
@@ -349,8 +387,8 @@ class GuardedStep:
             tf.raw_ops.ResourceScatterNdUpdate(ref=self.counts.handle, indices=index, updates=tf.expand_dims(counts(), 0))
             return tf.constant(0)
 
-        if self._few_weights():
-            write_counts()  # at every step: an applied step's counts are never read
+        if self._few_weights() or applied is None:
+            write_counts()  # at every step (an applied step's counts are never read), or now
         else:
             tf.cond(applied, lambda: tf.constant(0), write_counts)
 
@@ -586,6 +624,10 @@ class GuardedStep:
 
         scale = self._scale()  # before the update may change it
         if slot.deferred:
+            # The bounds of exactly the variables this apply updates, measured now (at
+            # trace time: the values before the first step of this trace).
+            self.bound.use(trainable_variables)
+            self.bound.measure()
             bound = norm if self.clip is None else tf.minimum(norm, self.clip)
             slot.deferred = DeferredUpdate(self, apply, update, trainable_variables, bound)
             slot.after_apply = len(tf.compat.v1.get_default_graph().get_operations())
@@ -618,19 +660,19 @@ class GuardedStep:
                 found.append(v)
         return found
 
-    def _run_apply(self, apply, grads, variables):
+    def run_apply(self, apply, grads, variables):
         return apply(grads, variables)
 
     def _update(self, apply, grads, variables, applied) -> None:
         if not self.guard:
             self.mode = "unguarded"
-            self._run_apply(apply, grads, variables)
+            self.run_apply(apply, grads, variables)
             return
         if self.masked:
             # One replica: the update runs, and the step's end selects, for every
             # variable the step wrote, between its new and its old value.
             self.mode = "masked"
-            self._run_apply(apply, grads, variables)
+            self.run_apply(apply, grads, variables)
             return
         self.mode = "conditional"
         if self.loss_scaler is not None:
@@ -647,7 +689,7 @@ class GuardedStep:
                 return tf.constant(0)
 
         def run():
-            self._run_apply(apply, grads, variables)
+            self.run_apply(apply, grads, variables)
             return tf.constant(0)
 
         if self.replicas > 1 and not _internal.strategy_supports_no_merge_call():
@@ -656,7 +698,7 @@ class GuardedStep:
             def cross_replica(distribution, grads, applied):
                 def apply_each():
                     distribution.extended.call_for_each_replica(
-                        lambda g: self._run_apply(apply, g, variables), args=(grads,)
+                        lambda g: self.run_apply(apply, g, variables), args=(grads,)
                     )
                     return tf.constant(0)
 
@@ -775,6 +817,9 @@ def _all_finite(values, flatten: bool = False) -> tf.Tensor:
         return tf.constant(True)
     return flags[0] if len(flags) == 1 else tf.raw_ops.All(input=tf.raw_ops.Pack(values=flags), axis=0)
 
+
+#: The models whose ``fit`` runs a guarded step now (``train``'s, or the NaN doctor's).
+GUARDED: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 #: Per model: what train learnt about it (an optimizer whose update cannot be masked),
 #: and the guarded steps built for it, so that calling ``train`` again does not retrace.

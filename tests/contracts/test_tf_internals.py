@@ -184,6 +184,56 @@ def test_eager_backprop_exposes_the_forward_op_and_its_tensors_to_op_callbacks()
     assert not _internal.in_backprop(sys._getframe())
 
 
+def test_the_ops_inside_a_functional_op_are_readable():
+    # An LSTM's loop reads its kernel; a loop that assigns a variable writes one.
+    layer = keras.layers.LSTM(4)
+    layer.build((2, 5, 3))
+    counter = tf.Variable(0.0)
+
+    def body(i, total):
+        counter.assign_add(1.0)
+        return i + 1, total + 1.0
+
+    @tf.function(autograph=False)
+    def step(x):
+        tf.while_loop(lambda i, total: i < 3, body, [0, 0.0])
+        return layer(x)
+
+    graph = step.get_concrete_function(tf.TensorSpec([2, 5, 3])).graph
+    loops = [op for op in graph.get_operations() if op.type in ("While", "StatelessWhile")]
+    verdicts = sorted(_internal.functional_op_writes(op) for op in loops)
+    assert verdicts == [False, True]
+
+
+def test_op_determinism_can_be_read_and_turned_off():
+    was = _internal.op_determinism_enabled()
+    try:
+        tf.config.experimental.enable_op_determinism()
+        assert _internal.op_determinism_enabled() is True
+        _internal.disable_op_determinism()
+        assert _internal.op_determinism_enabled() is False
+    finally:
+        if was:
+            tf.config.experimental.enable_op_determinism()
+
+
+def test_a_debugger_v2_dump_can_be_read(tmp_path):
+    reader_module = _internal.debug_events_reader()
+    writer = tf.debugging.experimental.enable_dump_debug_info(
+        str(tmp_path), tensor_debug_mode="FULL_HEALTH", circular_buffer_size=-1)
+    try:
+        tf.function(lambda x: tf.math.log(x))(tf.constant([0.0, 1.0]))
+    finally:
+        writer.FlushNonExecutionFiles()
+        writer.FlushExecutionFiles()
+        tf.debugging.experimental.disable_dump_debug_info()
+    with reader_module.DebugDataReader(str(tmp_path)) as reader:
+        reader.update()
+        ops = [trace.op_type for trace in reader.graph_execution_traces()
+               if any(reader.graph_execution_trace_to_tensor_value(trace)[5:8])]
+    assert "Log" in ops  # log(0) = -inf, seen in the dump
+
+
 def test_keras_fit_is_on_the_stack_of_a_callback_with_its_arguments():
     found = []
 

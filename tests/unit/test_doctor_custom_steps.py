@@ -351,7 +351,7 @@ def test_a_failure_of_the_doctor_is_a_warning_and_training_goes_on(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("the doctor's own bug")
 
-    monkeypatch.setattr(callback_module, "_nonfinite_logs", broken)
+    monkeypatch.setattr(callback_module.GuardedStep, "drain", broken)  # read after every batch
     model = small_model()
     with pytest.warns(RuntimeWarning, match="the doctor's own bug"):
         history = model.fit(np.ones((8, 1)), np.ones((8, 1)), batch_size=4, epochs=3, verbose=0,
@@ -466,7 +466,8 @@ def test_python_m_companion_diagnostics_attaches_the_doctor_to_an_unmodified_scr
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
     assert "NaN doctor: companion.training.train skipped step 2." in out  # train said nothing itself (verbose=0)
-    assert "NaN doctor: the weights turned non-finite (every logged value is finite) at fit's batch 2 of epoch 0" in out
+    assert ("NaN doctor: the gradients or the update turned non-finite (every logged value is finite) at fit's "
+            "batch 2 of epoch 0") in out
     assert out.count("singular_derivative in SqrtGrad") == 2 and "train_script.py" in out
     assert "fit epochs 1 finite True" in out  # fit stopped at the NaN, with the weights before it
 
