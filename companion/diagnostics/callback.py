@@ -230,9 +230,10 @@ class NaNDoctor(keras.callbacks.Callback):
             self._forget(self._steps)
 
     def _max_kept_bytes(self) -> int:
-        """The most bytes of fit's batches kept: at most the weights' bytes, at least 4 MiB."""
+        """The most bytes of fit's batches kept: a quarter of the weights' bytes, at least
+        4 MiB and at most :data:`MAX_KEPT_BYTES` (beyond: this epoch's, then the step's own)."""
         weights = sum(_nbytes(v) for v in self.model.trainable_variables)
-        return min(MAX_KEPT_BYTES, max(weights, 4 * 2**20))
+        return min(MAX_KEPT_BYTES, max(weights // 4, 4 * 2**20))
 
     def _forget(self, before: int) -> None:
         """Drop the kept batches of the steps before ``before``."""

@@ -132,27 +132,30 @@ def test_an_update_that_is_not_finite_from_finite_gradients_is_skipped_bit_for_b
         np.testing.assert_array_equal(a, b)
 
 
-class ReadsAfterApply(keras.Model):
+class _Regression(keras.Model):
+    """A model with its own `train_step`: the squared error, its gradients, the update."""
+
+    def _update(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self(x, training=True) - y))
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        return loss
+
+
+class ReadsAfterApply(_Regression):
     """A `train_step` that logs the kernel's norm after its update (it must see the new kernel)."""
 
     def train_step(self, data):
-        x, y = data
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(self(x, training=True) - y))
-        grads = tape.gradient(loss, self.trainable_variables)
-        self.optimizer.apply(grads, self.trainable_variables)
+        loss = self._update(data)
         return {"loss": loss, "kernel_norm": tf.norm(self.trainable_variables[0])}
 
 
-class ClipsItsWeights(keras.Model):
+class ClipsItsWeights(_Regression):
     """keras.io's WGAN-style weight clipping: the step writes the weights itself, after the update."""
 
     def train_step(self, data):
-        x, y = data
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(self(x, training=True) - y))
-        grads = tape.gradient(loss, self.trainable_variables)
-        self.optimizer.apply(grads, self.trainable_variables)
+        loss = self._update(data)
         for v in self.trainable_variables:
             v.assign(tf.clip_by_value(v, -0.05, 0.05))
         return {"loss": loss}
