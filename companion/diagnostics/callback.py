@@ -35,7 +35,8 @@ class NaNDoctor(keras.callbacks.Callback):
     loss, gradients, logged values or writes (the update's included) are not finite is
     not applied, so the state before the failing step is the state after it, and no
     copy of the weights or of the optimizer's state is kept along the way (what it
-    costs is measured by ``benchmarks/scale.py``). A NaN written into the weights behind
+    costs is measured by ``benchmarks/scale.py``, on the book's page *What the fixes
+    cost*). A NaN written into the weights behind
     a finite loss (max-pooling drops NaN: ``maxpool([nan, 1]) = 1``) is named at the
     step that would have written it. At the first such step the guard is removed,
     :func:`diagnose` runs on that step's batch — the batch ``fit`` trained on: the rows
@@ -46,8 +47,13 @@ class NaNDoctor(keras.callbacks.Callback):
     :class:`keras.callbacks.TerminateOnNaN`. For a divergence, the remedy (a learning
     rate ten times smaller, or ``clipnorm=1.0``) is verified by re-running ``fit``'s
     steps from its start with it, after a control re-run without it that must fail as
-    ``fit`` did: the state at ``fit``'s start is kept once, on its device for a state of
-    up to 16 MiB, else in a temporary file.
+    ``fit`` did. For that re-run the state at ``fit``'s start is kept: on its device for
+    a state of up to 16 MiB (which is also kept at every epoch's start), else once, in a
+    temporary file. When ``fit`` shuffles arrays or reads a ``tf.data`` pipeline, the
+    batches it trained on are kept too, up to a quarter of the weights' bytes (at least
+    4 MiB, at most 64 MiB); beyond that, or beyond 500 steps, only the epoch's are kept
+    and the re-run starts at the epoch's start (if its state was kept), then only the
+    failing step's own batch (no re-run of ``fit``'s steps is then made).
 
     The doctor never breaks the run it watches: any failure of its own is a
     ``RuntimeWarning``, its guard is removed and training goes on as plain ``fit``.
