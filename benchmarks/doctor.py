@@ -12,11 +12,10 @@ k = 20 (one input feature of one row 0, where d sqrt(w x) / dw = 0 * inf):
    first skipped step) against the same loop with the doctor's hook removed, on data
    without a NaN, where no step is skipped; target <= 1.01;
 3. ``model.fit`` with the :class:`~companion.diagnostics.NaNDoctor` callback against
-   ``fit`` with ``keras.callbacks.TerminateOnNaN``, on data without a NaN (after every
-   batch the callback checks every logged value, and, in one compiled call, that every
-   weight and optimizer slot is finite while it copies them; informative, no target),
-   and, in the same rounds, its version before issue 27, which only copied the weights
-   without waiting and read ``logs["loss"]``; and the doctor's cost per step in ms.
+   ``fit`` with ``keras.callbacks.TerminateOnNaN``, on data without a NaN (the callback
+   runs ``fit``'s steps through ``train``'s guarded step and reads its records after every
+   batch; informative, no target: ``benchmarks/scale.py`` measures it against the model's
+   size), and the doctor's cost per step in ms.
 
 As in ``benchmarks/training_overhead.py``, runs alternate in rounds and each ratio is the
 median of the ratios of runs in the same round; the ratio of the fastest runs and of
@@ -181,22 +180,10 @@ def armed_vs_not(repeats: int, warmups: int = 2) -> dict:
     return ratio(wall, cpu, "armed", "disarmed")
 
 
-class CopyOnly(NaNDoctor):
-    """NaNDoctor as it was before issue 27: it copied the weights after each batch without
-    waiting for the copy, and looked only at ``logs["loss"]`` (no check of the weights)."""
-
-    def on_train_batch_end(self, batch, logs=None) -> None:
-        if self._functions is not None:
-            self._before = self._functions.copy()
-        if logs and "loss" in logs:
-            float(np.asarray(logs["loss"]))
-
-
 def callback_cost(repeats: int) -> tuple[dict, dict, float]:
     clean = make_data(poisoned=False)
     callbacks = {
-        "NaNDoctor": NaNDoctor, "copy only (before)": CopyOnly,
-        "TerminateOnNaN": keras.callbacks.TerminateOnNaN,
+        "NaNDoctor": NaNDoctor, "TerminateOnNaN": keras.callbacks.TerminateOnNaN,
     }
     models = {}
     for key in callbacks:
@@ -209,14 +196,13 @@ def callback_cost(repeats: int) -> tuple[dict, dict, float]:
     for run in runs.values():
         run()
     wall, cpu = rounds(runs, repeats)
-    print(f"\n3. fit on clean data, NaNDoctor (every logged value and every weight checked at every batch), "
-          f"its version before issue 27 (a copy, the loss only) / TerminateOnNaN, {repeats} rounds")
+    print(f"\n3. fit on clean data, NaNDoctor (fit's steps run through train's guarded step) / TerminateOnNaN, "
+          f"{repeats} rounds")
     for key in runs:
         print(f"  {key:<20} median {statistics.median(wall[key]):7.3f}s  fastest {min(wall[key]):7.3f}s")
     per_step = (statistics.median(wall["NaNDoctor"]) - statistics.median(wall["TerminateOnNaN"])) / BATCHES
     print(f"  NaNDoctor's cost per step: {per_step * 1e3:.2f} ms (median epoch difference / {BATCHES} steps)")
-    return (ratio(wall, cpu, "NaNDoctor", "TerminateOnNaN"), ratio(wall, cpu, "copy only (before)", "TerminateOnNaN"),
-            per_step)
+    return ratio(wall, cpu, "NaNDoctor", "TerminateOnNaN"), per_step
 
 
 def main() -> None:
@@ -233,13 +219,12 @@ def main() -> None:
           f"model of {params:,} parameters, {BATCHES} batches of {BATCH}, NaN in batch {BAD_BATCH}")
     diagnosis = time_to_diagnosis(repeats_diagnosis)
     armed = armed_vs_not(repeats_train, warmups=1 if args.quick else 2)
-    fit_cost, fit_cost_before, per_step = callback_cost(repeats_fit)
+    fit_cost, per_step = callback_cost(repeats_fit)
     print("\nRatios, lower is better ('wall' is the verdict; 'fastest' and 'CPU' as in training_overhead.py).")
     rows = [
         ("time to diagnosis / one epoch of fit", diagnosis, None),
         ("train, doctor armed / disarmed (clean steps)", armed, 1.01),
         ("fit, NaNDoctor / TerminateOnNaN (clean steps)", fit_cost, None),
-        ("fit, NaNDoctor before issue 27 (copy only) / TerminateOnNaN", fit_cost_before, None),
     ]
     for label, result, target in rows:
         q1, q3 = result["quartiles"]

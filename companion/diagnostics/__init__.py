@@ -82,3 +82,7 @@ def __getattr__(name: str):
 
         return NaNDoctor
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), "NaNDoctor"})

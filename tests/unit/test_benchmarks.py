@@ -30,7 +30,7 @@ PRINTED_RATIOS = {
     "tilted_mean.py": (r"ratio (\d+\.\d+) \(quartiles", 2),
     "conditional_update.py": (r"ratio (\d+\.\d+) \(quartiles", 2),
     "training_overhead.py": (r"wall (\d+\.\d+)x", 5),
-    "doctor.py": (r"wall +(\d+\.\d+)x", 4),
+    "doctor.py": (r"wall +(\d+\.\d+)x", 3),
     "cold_start.py": (r"ratio (\d+\.\d+) \(quartiles", 2),
     # 2 models x 3 variants x (steady time, extra memory)
     "scale.py": (r"ratio (-?\d+\.\d+) \(quartiles", 12),

@@ -102,3 +102,24 @@ def test_a_recurrent_model_keeps_the_deferred_update_under_the_doctor():
     doctor = NaNDoctor(verbose=False)
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[doctor])
     assert doctor.diagnosis is None and doctor._guard is not None and doctor._guard.mode == "deferred"
+
+
+def test_restore_weights_false_applies_the_failing_step_as_fit_would_have():
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(32, 2)).astype("float32")
+    x[20] = np.nan  # batch 2 of 8 rows
+    y = x[:, :1].copy()
+    keras.utils.set_random_seed(0)
+    watched = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    watched.compile(loss="mse", optimizer="sgd")
+    doctor = NaNDoctor(verbose=False, restore_weights=False)
+    watched.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[doctor])
+    keras.utils.set_random_seed(0)
+    plain = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    plain.compile(loss="mse", optimizer="sgd")
+    plain.fit(x[:24], y[:24], batch_size=8, epochs=1, shuffle=False, verbose=0)  # up to the NaN step
+
+    assert doctor.batch == (0, 2) and doctor.diagnosis is not None
+    for a, b in zip(watched.get_weights(), plain.get_weights()):
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+    assert not all(np.isfinite(w).all() for w in watched.get_weights())  # the NaN step applied
