@@ -57,7 +57,9 @@ from companion._internal.ops import (
     READ_OPS, backprop_forward_op, check_numerics_enabled, debug_events_reader, disable_op_determinism,
     functional_op_writes, in_backprop, op_callback, op_determinism_enabled,
 )
-from companion._internal.optimizers import can_skip_optimizer_all_reduce, optimizer_all_reduce_skipped
+from companion._internal.optimizers import (
+    can_skip_optimizer_all_reduce, learning_rate_as_given, optimizer_all_reduce_skipped,
+)
 from companion._internal.random_states import global_random_states
 from companion._internal.datasets import dataset_map_stages
 from companion._internal.variables import (

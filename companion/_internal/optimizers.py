@@ -63,3 +63,31 @@ def optimizer_all_reduce_skipped(optimizer) -> Iterator[None]:
             if _skip_users[id(optimizer)] == 0:
                 del _skip_users[id(optimizer)]
                 del optimizer._all_reduce_sum_gradients
+
+
+# --------------------------------------------------------------------------------------
+# The learning rate as given: a variable or a schedule
+# --------------------------------------------------------------------------------------
+# Relies on: Keras 3's optimizer keeping what its ``learning_rate`` argument became in
+# ``_learning_rate``: a ``keras.Variable`` for a float, else the
+# ``LearningRateSchedule`` (or callable) itself. The public ``learning_rate`` property
+# only gives the current value, so a rollback could not tell a schedule from a rate.
+# If gone: the rate is found from ``get_config()["learning_rate"]`` (a float, or a
+# serialised schedule that is deserialised again): slower, and a schedule is a copy.
+
+
+@hook('test_keras_optimizers_keep_the_learning_rate_as_given')
+def learning_rate_as_given(optimizer):
+    """What ``optimizer``'s ``learning_rate`` argument became: a variable, a
+    ``LearningRateSchedule``, or a callable."""
+    found = getattr(optimizer, "_learning_rate", None)
+    if found is not None:
+        return found
+    warn_once(
+        "_learning_rate",
+        f"{type(optimizer).__name__} has no _learning_rate: its learning rate is read from get_config()",
+    )
+    import keras
+
+    rate = optimizer.get_config()["learning_rate"]
+    return keras.optimizers.schedules.deserialize(rate) if isinstance(rate, dict) else rate

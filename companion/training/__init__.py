@@ -8,8 +8,8 @@ that fails the check changes no variable and is recorded in the :class:`Training
 
 The package, one idea per module:
 
-* ``results``: :class:`TrainingHistory`, :class:`SkippedStep`, :class:`NonFiniteError`,
-  :class:`WorkerLostError`.
+* ``results``: :class:`TrainingHistory`, :class:`SkippedStep`, :class:`Rollback`,
+  :class:`NonFiniteError`, :class:`WorkerLostError`.
 * ``inputs``: the checks of :func:`train`'s own arguments.
 * ``step``: the guarded ``train_step`` installed in ``fit`` (``GuardedStep``).
 * ``deferred``: the model optimizer's update run at the step's end, under one predicate,
@@ -21,6 +21,8 @@ The package, one idea per module:
   ``callbacks``: the guard's and the checkpoint's callbacks; ``patches``: everything
   :func:`train` changes on a model, and how it is put back.
 * ``checkpoints``: epoch-end checkpoints and resuming.
+* ``recovery``: ``on_nonfinite="rollback"``: the snapshot, the rollback with a smaller
+  learning rate (:class:`ScaledSchedule` for a schedule), the causes no rate cures.
 * ``cluster``: the workers of a multi-worker run.
 * ``loop``: :func:`train` itself (compile, install the guard, ``fit``, clean up).
 
@@ -31,6 +33,10 @@ from __future__ import annotations
 
 from companion.optimizers import SkipNonFinite
 from companion.training.loop import train
-from companion.training.results import NonFiniteError, SkippedStep, TrainingHistory, WorkerLostError
+from companion.training.recovery import ScaledSchedule
+from companion.training.results import NonFiniteError, Rollback, SkippedStep, TrainingHistory, WorkerLostError
 
-__all__ = ["NonFiniteError", "SkipNonFinite", "SkippedStep", "TrainingHistory", "WorkerLostError", "train"]
+__all__ = [
+    "NonFiniteError", "Rollback", "ScaledSchedule", "SkipNonFinite", "SkippedStep", "TrainingHistory",
+    "WorkerLostError", "train",
+]

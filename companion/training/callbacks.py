@@ -2,7 +2,8 @@
 
 :class:`GuardCallback` drains the guarded step's records after every host call into the
 run's history (:mod:`companion.training.records`), raises :class:`NonFiniteError` after too
-many consecutive skipped steps and warns when a dynamic loss scale stalls;
+many consecutive skipped steps (or rolls back, :mod:`companion.training.recovery`) and
+warns when a dynamic loss scale stalls;
 :class:`CheckpointCallback` saves the run at every epoch end; :func:`asks_for_batch_hooks`
 tells whether the user's callbacks need a host call per step.
 """
@@ -32,12 +33,14 @@ class GuardCallback(keras.callbacks.Callback):
 
     Raises :class:`NonFiniteError` (from ``on_train_batch_end``, so out of ``fit``) once
     ``limit`` consecutive steps were skipped, and warns once when the dynamic loss
-    scale stalls.
+    scale stalls. With a ``recovery`` (``on_nonfinite="rollback"``) it takes the
+    snapshot at every epoch's start and, once ``limit`` consecutive steps were
+    non-finite, rolls back or raises (:class:`~companion.training.recovery.Recovery`).
     """
 
     def __init__(
         self, step: GuardedStep, history: TrainingHistory, *, on_nonfinite: str, limit: int,
-        doctor: DoctorView | None = None,
+        doctor: DoctorView | None = None, recovery=None,
     ) -> None:
         super().__init__()
         self.step = step
@@ -45,6 +48,7 @@ class GuardCallback(keras.callbacks.Callback):
         self.training_history = history
         self.on_nonfinite = on_nonfinite
         self.limit = limit
+        self.recovery = recovery
         self.epoch = 0
         self.epoch_start = 0
         self.applied_losses: list[float] = []
@@ -52,16 +56,22 @@ class GuardCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self.step.reset(self.training_history.trailing_nonfinite())
+        if self.recovery is not None:
+            self.step.reset(0)  # the callback counts the runs (the step never halts)
+            self.recovery.begin()
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
         self.epoch_start = self.training_history.steps
         self.applied_losses = []
+        if self.recovery is not None:
+            self.recovery.take()
 
     def on_train_batch_end(self, batch, logs=None):
         self.record()
 
     def record(self) -> None:
+        start = self.training_history.steps
         records, counts = self.step.drain()
         self._last_records = records
         history = self.training_history
@@ -75,6 +85,12 @@ class GuardCallback(keras.callbacks.Callback):
             loss_scaled=self.step.loss_scaler is not None, diagnose=None if self.doctor is None else self._diagnose,
         )
         self._watch_loss_scale()
+        if self.recovery is not None:
+            failed = self.recovery.limit_reached(start)
+            if failed is not None:
+                self.recovery.recover(failed, self.epoch, None if self.doctor is None else self._diagnose,
+                                      self.step.loss_scaler is not None)
+            return
         consecutive = history.trailing_nonfinite()
         if self.step.guard and consecutive >= self.limit:
             raise nonfinite_error(history, consecutive, self.limit, self.on_nonfinite, self.step.loss_scaler is not None)

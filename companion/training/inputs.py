@@ -18,9 +18,10 @@ import tensorflow as tf
 from companion.diagnostics.state import components
 from companion.losses import check_keras_loss_shapes, resolve_loss
 
-#: What ``on_nonfinite`` may be: skip the step, raise at once, or apply every step
-#: unchecked, as ``fit`` does (no guard; for measuring what the guard costs).
-ON_NONFINITE = ("skip", "raise", "ignore")
+#: What ``on_nonfinite`` may be: skip the step, raise at once, apply every step
+#: unchecked, as ``fit`` does (no guard; for measuring what the guard costs), or skip
+#: and roll back with a smaller learning rate (:mod:`companion.training.recovery`).
+ON_NONFINITE = ("skip", "raise", "ignore", "rollback")
 
 
 def check_finite_weights(model: keras.Model) -> None:

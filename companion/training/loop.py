@@ -25,6 +25,7 @@ from companion.training.cluster import PEER_FAILURES, Cluster, arm_exit_after_wo
 from companion.training.callbacks import CheckpointCallback, GuardCallback, asks_for_batch_hooks
 from companion.training.patches import ModelPatches, restore_leftover
 from companion.training.records import DoctorView
+from companion.training.recovery import NO_LIMIT, Recovery, check_learning_rates, set_schedule_scale
 from companion.training.deferred import Undeferrable
 from companion.training.step import GuardedStep, model_cache
 from companion.training.inputs import (
@@ -76,7 +77,22 @@ MIN_STEPS_FOR_LOOP_PER_VARIABLE = 4
 #   sent: TensorFlow's SECURITY.md requires the cluster's network to be isolated
 #   (:func:`companion.launch.launch` runs local workers in a private, loopback-only
 #   network namespace). A lost peer raises :class:`WorkerLostError` on every survivor
-#   (see ``on_worker_loss``).
+#   (see ``on_worker_loss``). What bounds a survivor's exit: detecting the loss (a
+#   crashed peer breaks the connection at once; a crashed or stopped one stops its
+#   heartbeats to TensorFlow's coordination service, which aborts the collectives
+#   within about ten seconds; a collective timeout, if the strategy sets one, bounds any
+#   wait), then at most 30 s. The tests kill workers at every moment of training and
+#   require 60 s.
+# * Recovery (:mod:`companion.training.recovery`): ``on_nonfinite="rollback"`` restores
+#   a snapshot taken at the start of an epoch after a good one (no non-finite step, a
+#   loss at most twice the lowest: ``SNAPSHOT_GROWTH``) from
+#   a callback after the host call in which the limit was reached, so the steps after
+#   it in that call ran and are recorded (and undone); the doctor's diagnosis of the
+#   run's first step decides (``RATE_CANNOT_CURE``). A schedule is wrapped in
+#   ``ScaledSchedule`` and the step traced again; a resumed run scales it again from
+#   ``history.rollbacks``. ``skip_loss_spikes`` keeps a running mean and variance of
+#   the loss in device variables of the guarded step and adds its test to the step's
+#   predicate, before the deferred update runs.
 # * Checkpoints: with ``checkpoint_dir``, the model, the optimizer, the number of
 #   completed epochs and the history are saved at every epoch end (the last two are
 #   kept); calling ``train`` again with the same directory resumes after the last
@@ -128,6 +144,9 @@ def train(
     clip_global_norm: float | None = None,
     on_nonfinite: str = "skip",
     max_consecutive_nonfinite: int = 10,
+    max_rollbacks: int = 3,
+    rollback_lr_factor: float = 0.5,
+    skip_loss_spikes: float | None = None,
     checkpoint_dir: str | os.PathLike | None = None,
     on_worker_loss: str = "exit",
 ) -> TrainingHistory:
@@ -175,22 +194,28 @@ def train(
             ``global_clipnorm`` act as in ``fit``, after this.
         on_nonfinite: ``"skip"`` (skip the step and go on), ``"raise"`` (raise
             :class:`NonFiniteError` at the first non-finite step, which is not applied
-            either), or ``"ignore"`` (no guard: every step is applied, NaN included, as
-            ``fit`` does; for measuring what the guard costs).
+            either), ``"rollback"`` (skip; see ``max_rollbacks``) or ``"ignore"`` (no
+            guard: every step is applied, NaN included, as ``fit`` does).
         max_consecutive_nonfinite: with ``"skip"``, raise :class:`NonFiniteError` after
-            this many consecutive skipped steps (>= 1); the weights are then exactly
+            this many consecutive non-finite steps (>= 1); the weights are then exactly
             those of the last good step (no later step of the same host call applies).
+        max_rollbacks, rollback_lr_factor: with ``"rollback"``, instead of that error:
+            restore the state of the last good epoch start (weights and optimizer
+            state, kept on the host), multiply every optimizer's learning rate by the
+            factor (0 < f < 1; a schedule is wrapped) and go on with the next batches
+            (``fit`` cannot rewind its data); after ``max_rollbacks`` rollbacks, raise
+            with that state in place. Where the NaN doctor puts the cause in the data or
+            a function's domain, raise at once. Recorded in ``history.rollbacks``.
+        skip_loss_spikes: ``z`` or ``None``: also skip (``reason="spike"``) a step whose
+            finite loss is over ``z`` running standard deviations above the running mean
+            of the applied steps' losses (after 20 steps; decided on the device). A spike
+            does not count toward ``max_consecutive_nonfinite``.
         checkpoint_dir: directory for epoch-end checkpoints, or ``None``.
         on_worker_loss: what happens to this process after :class:`WorkerLostError`:
             ``"exit"`` (it ends with exit code 1 at interpreter exit, without
             TensorFlow's teardown, and at the latest 30 s after the error, so that a
             scheduler can restart the job: TensorFlow's runtime can otherwise keep it
-            alive, blocked on the lost peer) or ``"raise"`` (only raise). What bounds a
-            survivor's exit: detecting the loss (a crashed peer breaks the connection at
-            once; a crashed or stopped one stops its heartbeats to TensorFlow's
-            coordination service, which aborts the collectives within about ten seconds;
-            a collective timeout, if the strategy sets one, bounds any wait), then at most
-            30 s. The tests kill workers at every moment of training and require 60 s.
+            alive, blocked on the lost peer) or ``"raise"`` (only raise).
 
     Returns:
         A :class:`TrainingHistory`: the ``keras.callbacks.History`` of the run (``fit``'s
@@ -205,7 +230,8 @@ def train(
             predictions with the wrong targets, the model was not created under the
             strategy's scope, or ``checkpoint_dir`` holds a checkpoint of another model.
             All of these are raised before any step runs.
-        NonFiniteError: see ``on_nonfinite`` and ``max_consecutive_nonfinite``.
+        NonFiniteError: see ``on_nonfinite``, ``max_consecutive_nonfinite`` and
+            ``max_rollbacks``.
         WorkerLostError: under a multi-worker strategy, when another worker crashed or
             stopped responding.
 
@@ -224,6 +250,13 @@ def train(
     if on_worker_loss not in ("exit", "raise"):
         raise ValueError(f"on_worker_loss must be 'exit' or 'raise', got {on_worker_loss!r}")
     limit = 1 if on_nonfinite == "raise" else check_int("max_consecutive_nonfinite", max_consecutive_nonfinite, 1)
+    max_rollbacks = check_int("max_rollbacks", max_rollbacks, 0)
+    rollback_lr_factor = check_positive_number("rollback_lr_factor", rollback_lr_factor)
+    if not rollback_lr_factor < 1:
+        raise ValueError(f"rollback_lr_factor must be in (0, 1), got {rollback_lr_factor!r}")
+    skip_loss_spikes = check_positive_number("skip_loss_spikes", skip_loss_spikes, allow_none=True)
+    if skip_loss_spikes is not None and on_nonfinite == "ignore":
+        raise ValueError("skip_loss_spikes needs the guard: it cannot be used with on_nonfinite='ignore'")
     clip_global_norm = check_positive_number("clip_global_norm", clip_global_norm, allow_none=True)
     if strategy is not None and not isinstance(strategy, tf.distribute.Strategy):
         raise TypeError(f"strategy must be a tf.distribute.Strategy or None, got {type(strategy).__name__}")
@@ -263,8 +296,14 @@ def train(
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None and model.built and not optimizer.built and model.trainable_variables:
             optimizer.build(model.trainable_variables)  # as fit's symbolic build does
+    rollback = on_nonfinite == "rollback"
+    if rollback:
+        check_learning_rates(model)
     cluster = Cluster.of(strategy)
     history, restored_epochs, checkpoint = _resume(model, cluster, checkpoint_dir)
+    # A resumed run keeps its reduced rates: a float's variable comes back with the
+    # checkpoint, a schedule is scaled again.
+    rescaled = bool(history.rollbacks) and set_schedule_scale(model, history.rollbacks[-1].scale)
     fit_arguments["initial_epoch"] = max(int(initial_epoch or 0), restored_epochs)
     if cluster is not None and not cluster.is_chief:
         fit_arguments["verbose"] = 0  # one progress bar, the chief's
@@ -289,7 +328,10 @@ def train(
             x, batch_size, steps_per_epoch, validation_split, whole_epochs_only=not short_calls,
             epochs=int(epochs) - fit_arguments["initial_epoch"], variables=len(model.trainable_variables),
         ))
-    step = _guarded_step(model, strategy, guard=on_nonfinite != "ignore", clip=clip_global_norm, limit=limit)
+    step = _guarded_step(model, strategy, guard=on_nonfinite != "ignore", clip=clip_global_norm,
+                         limit=NO_LIMIT if rollback else limit, spikes=skip_loss_spikes)
+    if rescaled:
+        step.forget_functions(patches)  # traced with the schedule before it was scaled
     doctor = DoctorView(
         model, strategy, history, lambda: replay_batches(x, y, sample_weight, batch_size, validation_split), cluster,
         verbose=fit_arguments["verbose"] != 0,
@@ -297,7 +339,12 @@ def train(
         # pipeline knows: the doctor cannot read that step's batch again.
         shuffled=shuffle is not False and not isinstance(x, tf.data.Dataset),
     )
-    guard_callback = GuardCallback(step, history, on_nonfinite=on_nonfinite, limit=limit, doctor=doctor)
+    recovery = Recovery(
+        model, step, history, limit=limit, max_rollbacks=max_rollbacks, factor=rollback_lr_factor,
+        verbose=fit_arguments["verbose"] != 0,
+    ) if rollback else None
+    guard_callback = GuardCallback(step, history, on_nonfinite=on_nonfinite, limit=limit, doctor=doctor,
+                                   recovery=recovery)
     extra = [CheckpointCallback(checkpoint, history)] if checkpoint is not None else []
     try:
         return _fit(model, x, y, step, patches, [guard_callback, *callbacks, history, *extra], fit_arguments,
@@ -466,18 +513,19 @@ def _steps_per_execution(x, batch_size, steps_per_epoch, validation_split, whole
     return max(1, min(batches, MAX_STEPS_PER_EXECUTION))
 
 
-def _guarded_step(model, strategy, *, guard, clip, limit) -> GuardedStep:
+def _guarded_step(model, strategy, *, guard, clip, limit, spikes=None) -> GuardedStep:
     """The cached :class:`GuardedStep` for this set-up (a new one after ``compile``)."""
     cache = model_cache(model)
     key = (
-        "step", id(model.optimizer), id(strategy), guard, clip, limit, int(model.steps_per_execution),
+        "step", id(model.optimizer), id(strategy), guard, clip, limit, spikes, int(model.steps_per_execution),
         tuple(id(v) for v in model.trainable_variables), tuple(id(v) for v in model.metrics_variables),
         tuple(id(v) for v in model.non_trainable_variables),
     )
     step = cache.get(key)
     if step is None or step.optimizer is not model.optimizer:
         step = GuardedStep(
-            model, strategy, capacity=int(model.steps_per_execution), guard=guard, clip=clip, limit=limit
+            model, strategy, capacity=int(model.steps_per_execution), guard=guard, clip=clip, limit=limit,
+            spikes=spikes,
         )
         cache[key] = step
     return step

@@ -28,9 +28,12 @@ model             ``jit_compile``                     off under several replicas
                                                       fails there)
 ================  ==================================  =============================================
 
-One change outlives the call, on purpose: when XLA cannot compile the model's step,
+Two changes outlive the call, on purpose: when XLA cannot compile the model's step,
 ``train`` warns, trains without it, and leaves ``jit_compile`` off (the next call would
-fail to compile it again).
+fail to compile it again); and a rollback of ``on_nonfinite="rollback"`` leaves every
+optimizer's learning rate reduced (a schedule wrapped in
+:class:`~companion.training.ScaledSchedule`), as the run's history and checkpoints
+record it.
 
 Put back means: an attribute the object had of its own gets its value again; one it
 did not have (a method of its class) is removed, so the class's applies again; a

@@ -2,7 +2,7 @@
 
 The traced step (:mod:`companion.training.step`) writes one row per step into a small
 buffer of variables (columns :data:`LOSS`, :data:`NORM`, :data:`APPLIED`, :data:`SCALE`,
-and the NaN/Inf counts of each gradient of a skipped step); after every host call
+:data:`SPIKE`, and the NaN/Inf counts of each gradient of a skipped step); after every host call
 :class:`~companion.training.callbacks.GuardCallback` drains it and
 :func:`append_records` turns the rows into the :class:`TrainingHistory`: losses, norms,
 loss scales, and a :class:`SkippedStep` with its diagnosis for each skipped step.
@@ -20,8 +20,10 @@ import numpy as np
 from companion.diagnostics.gradients import GradientRecord, GradientReport
 from companion.training.results import NonFiniteError, SkippedStep, TrainingHistory
 
-#: Columns of a step record.
-LOSS, NORM, APPLIED, SCALE = range(4)
+#: Columns of a step record (``SPIKE``: skipped as a loss spike).
+LOSS, NORM, APPLIED, SCALE, SPIKE = range(5)
+#: How many columns a step record has.
+COLUMNS = 5
 
 
 def append_records(history: TrainingHistory, records, counts, variables, *, epoch: int, loss_scaled: bool,
@@ -31,16 +33,17 @@ def append_records(history: TrainingHistory, records, counts, variables, *, epoc
     Args:
         history: the run's :class:`TrainingHistory`.
         records: the drained rows, one per step (columns :data:`LOSS`, :data:`NORM`,
-            :data:`APPLIED`, :data:`SCALE`).
+            :data:`APPLIED`, :data:`SCALE`, :data:`SPIKE`).
         counts: per step, the NaN and Inf counts of each variable's gradient, or ``None``
             when every step was applied.
         variables: the trainable variables the counts are of.
         epoch: the epoch the steps belong to.
         loss_scaled: whether a dynamic loss scale was recorded.
-        diagnose: called with the index of the run's first skipped step, for its
-            diagnosis (the NaN doctor runs once per run).
+        diagnose: called with the index of the run's first non-finite step, for its
+            diagnosis (the NaN doctor runs once per run; never on a loss spike).
     """
     applied_losses = []
+    diagnosed = any(r.reason == "nonfinite" for r in history.reports)
     for k, row in enumerate(records):
         index = history.steps
         loss, norm, applied = float(row[LOSS]), float(row[NORM]), row[APPLIED] > 0.5
@@ -53,6 +56,7 @@ def append_records(history: TrainingHistory, records, counts, variables, *, epoc
             applied_losses.append(loss)
             continue
         history.skipped.append(index)
+        reason = "spike" if len(row) > SPIKE and row[SPIKE] > 0.5 else "nonfinite"
         nan_counts, inf_counts = counts[k] if counts is not None else (np.zeros(0), np.zeros(0))
         gradients = [
             GradientRecord(
@@ -62,21 +66,26 @@ def append_records(history: TrainingHistory, records, counts, variables, *, epoc
             for i, v in enumerate(variables)
             if i < len(nan_counts) and (nan_counts[i] or inf_counts[i])
         ]
+        # The NaN doctor, once per run: on the first non-finite step only (on every
+        # worker: the hook's exchange is a collective every worker must join).
+        diagnosis = None
+        if reason == "nonfinite" and not diagnosed and diagnose is not None:
+            diagnosis, diagnosed = diagnose(index), True
         history.reports.append(
             SkippedStep(
                 step=index, epoch=epoch, loss=loss, gradients=GradientReport(gradients),
-                loss_scale=scale, grad_norm=norm,
-                # The NaN doctor, once per run: on the first skipped step only (on every
-                # worker: the hook's exchange is a collective every worker must join).
-                diagnosis=None if history.reports or diagnose is None else diagnose(index),
+                loss_scale=scale, grad_norm=norm, diagnosis=diagnosis, reason=reason,
             )
         )
     return applied_losses
 
 
-def nonfinite_error(history, consecutive, limit, on_nonfinite, loss_scaled) -> NonFiniteError:
-    """The :class:`NonFiniteError` for the last ``consecutive`` skipped steps."""
-    reports = tuple(history.reports[-consecutive:])
+def nonfinite_error(history, consecutive, limit, on_nonfinite, loss_scaled, *, last: int | None = None,
+                    end: str | None = None, diagnosis=None) -> NonFiniteError:
+    """The :class:`NonFiniteError` for the last ``consecutive`` skipped steps (those up to
+    step ``last``, if given); ``end`` replaces the sentence on the state left in place."""
+    reports = [r for r in history.reports if last is None or r.step <= last]
+    reports = tuple(reports[-consecutive:])
     last = reports[-1]
     if on_nonfinite == "raise":
         head = f"non-finite loss or gradients at step {last.step} (epoch {last.epoch}) with on_nonfinite='raise'"
@@ -94,12 +103,15 @@ def nonfinite_error(history, consecutive, limit, on_nonfinite, loss_scaled) -> N
         detail += f"; loss scale {reports[0].loss_scale:g} -> {last.loss_scale:g}"
     good = reports[0].step - 1
     state = f"after step {good}" if good >= 0 else "at the start of training"
+    if end is None:
+        end = f"No update was applied on these steps: the weights and optimizer state are those {state}."
     return NonFiniteError(
-        f"{head}: {detail}. No update was applied on these steps: the weights and optimizer state are those {state}.",
+        f"{head}: {detail}. {end}",
         step=last.step,
         epoch=last.epoch,
         reports=reports,
         history=history,
+        diagnosis=diagnosis,
     )
 
 

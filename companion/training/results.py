@@ -19,7 +19,7 @@ import numpy as np
 from companion.diagnostics.diagnosis import Diagnosis
 from companion.diagnostics.gradients import GradientRecord, GradientReport
 
-__all__ = ["NonFiniteError", "SkippedStep", "TrainingHistory", "WorkerLostError"]
+__all__ = ["NonFiniteError", "Rollback", "SkippedStep", "TrainingHistory", "WorkerLostError"]
 
 
 class NonFiniteError(FloatingPointError):
@@ -29,13 +29,19 @@ class NonFiniteError(FloatingPointError):
     ``on_nonfinite="raise"``, or after ``max_consecutive_nonfinite`` consecutive
     non-finite steps when ``on_nonfinite="skip"``. None of these steps applied an
     update, so the model's weights and the optimizer's state are bit-identical to those
-    after the last good step.
+    after the last good step. With ``on_nonfinite="rollback"`` it is raised when the
+    NaN doctor puts the cause in the data or a function's domain (no rollback then:
+    the weights are those the applied steps left), or after ``max_rollbacks``
+    rollbacks (the last good state restored first); the message says which.
 
     Attributes:
         step: index (0-based, counted over all epochs) of the last non-finite step.
         epoch: index (0-based) of its epoch.
         reports: the :class:`SkippedStep` records of the consecutive non-finite steps.
         history: the :class:`TrainingHistory` up to and including ``step``.
+        diagnosis: with ``on_nonfinite="rollback"``, the NaN doctor's
+            :class:`~companion.diagnostics.Diagnosis` of the first of these steps (or
+            ``None``); else ``None``.
     """
 
     def __init__(
@@ -46,17 +52,20 @@ class NonFiniteError(FloatingPointError):
         epoch: int,
         reports: tuple[SkippedStep, ...] = (),
         history: TrainingHistory | None = None,
+        diagnosis: Diagnosis | None = None,
     ) -> None:
         super().__init__(message)
         self.step = step
         self.epoch = epoch
         self.reports = tuple(reports)
         self.history = history
+        self.diagnosis = diagnosis
 
 
 @dataclasses.dataclass(frozen=True)
 class SkippedStep:
-    """One step whose loss or gradients were not finite, and that applied no update.
+    """One step that applied no update: its loss or gradients were not finite, or its
+    loss was a spike (``train(..., skip_loss_spikes=z)``).
 
     Attributes:
         step: index of the step (0-based, counted over all epochs), i.e. its position
@@ -75,6 +84,11 @@ class SkippedStep:
             Under several replicas its ``inputs_summary`` names the replica whose
             part of the batch made the NaN; with several workers every worker records
             the same diagnosis, whose ``worker`` is the worker whose shard made it.
+            With ``on_nonfinite="rollback"``, also on the first step of each run of
+            non-finite steps that reached ``max_consecutive_nonfinite``.
+        reason: ``"nonfinite"`` (the loss, the gradients or a write were not finite)
+            or ``"spike"`` (a finite loss more than ``skip_loss_spikes`` running
+            standard deviations above its running mean).
     """
 
     step: int
@@ -84,6 +98,7 @@ class SkippedStep:
     loss_scale: float | None = None
     grad_norm: float | None = None
     diagnosis: Diagnosis | None = None
+    reason: str = "nonfinite"
 
     def __str__(self) -> str:
         scale = f", loss scale {self.loss_scale:g}" if self.loss_scale is not None else ""
@@ -91,6 +106,8 @@ class SkippedStep:
 
     def cause(self) -> str:
         """Why the step was skipped, in words."""
+        if self.reason == "spike":
+            return "a loss spike: a finite loss far above the running mean of the applied steps' losses"
         if self.gradients:
             return "non-finite gradients: " + "; ".join(
                 f"{r.path} ({r.nan_count} NaN, {r.inf_count} Inf of {_size(r.shape)})" for r in self.gradients
@@ -108,6 +125,7 @@ class SkippedStep:
             "loss_scale": self.loss_scale,
             "grad_norm": self.grad_norm,
             "diagnosis": self.diagnosis.to_dict() if self.diagnosis is not None else None,
+            "reason": self.reason,
             "gradients": [
                 {field.name: getattr(r, field.name) for field in dataclasses.fields(r)} for r in self.gradients
             ],
@@ -125,7 +143,47 @@ class SkippedStep:
             loss_scale=data.get("loss_scale"),
             grad_norm=data.get("grad_norm"),
             diagnosis=Diagnosis.from_dict(data["diagnosis"]) if data.get("diagnosis") else None,
+            reason=str(data.get("reason", "nonfinite")),  # records written before spikes were skipped
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollback:
+    """One rollback of ``train(..., on_nonfinite="rollback")``: the last good state
+    restored, and every optimizer's learning rate multiplied by ``rollback_lr_factor``.
+
+    Attributes:
+        step: the step (0-based, counted over all epochs) at which
+            ``max_consecutive_nonfinite`` consecutive steps had been non-finite.
+        restored_step: the step whose starting state was restored: the weights and
+            optimizer state as they were before step ``restored_step`` ran
+            (a snapshot taken at the start of an epoch).
+        learning_rate: the model optimizer's learning rate after the rollback (for a
+            schedule, its value at the restored iteration).
+        epoch: the epoch (0-based) of ``step``.
+        scale: what every learning rate is multiplied by since the run began
+            (``rollback_lr_factor`` to the power of the rollbacks so far); a resumed
+            run applies it again to a schedule.
+        cause: the NaN doctor's cause for the first step of the run of non-finite
+            steps (a name of ``companion.diagnostics.CAUSES``), or ``None``.
+    """
+
+    step: int
+    restored_step: int
+    learning_rate: float
+    epoch: int = 0
+    scale: float = 1.0
+    cause: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-compatible dict (used by the checkpoint)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Rollback":
+        """Inverse of :meth:`to_dict`."""
+        names = {field.name for field in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
 
 
 def _plain(value):
@@ -156,9 +214,13 @@ class TrainingHistory(keras.callbacks.History):
         step_loss: the loss of every step, applied or skipped (a skipped step's loss
             may be NaN or Inf).
         grad_norm: the global gradient norm of every step, before clipping.
-        skipped: indices of the steps that applied no update.
-        reports: one :class:`SkippedStep` per skipped step: which variables had NaN or
-            Inf gradients, and how many entries.
+        skipped: indices of the steps that applied no update (non-finite, or a loss
+            spike).
+        reports: one :class:`SkippedStep` per skipped step: why (``reason``), which
+            variables had NaN or Inf gradients, and how many entries.
+        rollbacks: one :class:`Rollback` per rollback of
+            ``on_nonfinite="rollback"``: the failing step, the restored step, the
+            learning rate after it.
         epoch_loss: per completed epoch, the mean loss of its applied steps (NaN if
             none was applied).
         epoch_steps: per completed epoch, the number of steps.
@@ -189,6 +251,7 @@ class TrainingHistory(keras.callbacks.History):
     grad_norm: list[float] = dataclasses.field(default_factory=list)
     skipped: list[int] = dataclasses.field(default_factory=list)
     reports: list[SkippedStep] = dataclasses.field(default_factory=list)
+    rollbacks: list[Rollback] = dataclasses.field(default_factory=list)
     epoch_loss: list[float] = dataclasses.field(default_factory=list)
     epoch_steps: list[int] = dataclasses.field(default_factory=list)
     loss_scale: list[float] = dataclasses.field(default_factory=list)
@@ -217,11 +280,18 @@ class TrainingHistory(keras.callbacks.History):
         """Number of completed epochs."""
         return len(self.epoch_loss)
 
+    @property
+    def spikes(self) -> list[int]:
+        """Indices of the steps skipped as loss spikes (``skip_loss_spikes``)."""
+        return [r.step for r in self.reports if r.reason == "spike"]
+
     def trailing_nonfinite(self) -> int:
-        """Number of consecutive skipped steps at the end of the history."""
+        """Number of consecutive non-finite steps at the end of the history (a step
+        skipped as a loss spike was finite: it ends the run, as an applied step does)."""
         count, expected = 0, self.steps - 1
-        for index in reversed(self.skipped):
-            if index != expected:
+        for k, index in enumerate(reversed(self.skipped)):
+            report = self.reports[-1 - k] if k < len(self.reports) else None  # one report per skipped step
+            if index != expected or (report is not None and report.step == index and report.reason != "nonfinite"):
                 break
             count, expected = count + 1, expected - 1
         return count
@@ -231,6 +301,7 @@ class TrainingHistory(keras.callbacks.History):
         data = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
         data["history"] = {k: [_plain(v) for v in values] for k, values in self.history.items()}
         data["reports"] = [r.to_dict() for r in self.reports]
+        data["rollbacks"] = [r.to_dict() for r in self.rollbacks]
         return json.dumps(data)
 
     @classmethod
@@ -238,6 +309,7 @@ class TrainingHistory(keras.callbacks.History):
         """Inverse of :meth:`to_json`."""
         data = json.loads(text)
         data["reports"] = [SkippedStep.from_dict(r) for r in data["reports"]]
+        data["rollbacks"] = [Rollback.from_dict(r) for r in data.get("rollbacks", [])]
         return cls(**data)
 
     def __str__(self) -> str:

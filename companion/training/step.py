@@ -68,13 +68,23 @@ from companion._gradients import global_norm, nonfinite_counts, scale_gradient
 from companion.training.bounds import UpdateBound
 from companion.training.deferred import DeferredUpdate, Undeferrable, writes_of_step
 from companion.training.patches import ModelPatches
-from companion.training.records import APPLIED
+from companion.training.records import APPLIED, COLUMNS
 
 #: Without XLA, a state (the variables a step may write) of more entries than this is put
 #: back under a conditional, a smaller one by selects (see ``GuardedStep._put_back``): at
 #: about a nanosecond per entry and step, the selects of 2**16 entries cost what the
 #: conditional's trace does over a thousand steps.
 SELECT_LIMIT = 2**16
+
+#: ``skip_loss_spikes``: the applied steps a spike test waits for (its warm-up), the
+#: window of the running mean and variance of the loss (an exponential moving average
+#: whose weight is ``1 / min(steps seen, SPIKE_WINDOW)``: the exact mean and variance of
+#: the first ``SPIKE_WINDOW`` steps, then of about the last ``SPIKE_WINDOW``), and the
+#: smallest spread it assumes, relative to the mean (a loss that stays constant would
+#: otherwise make any step above it a spike).
+SPIKE_WARMUP = 20
+SPIKE_WINDOW = 100
+SPIKE_MIN_SPREAD = 1e-2
 
 _ON_READ = dict(
     synchronization=tf.VariableSynchronization.ON_READ,
@@ -95,6 +105,7 @@ class _TraceSlot(threading.local):
         self.late = []  # (variable, value before the step) of optimizers built during the step
         self.grads = {}  # id(variable) -> its gradient, from every optimizer's apply
         self.norms = []  # the global norms of the applies of optimizers other than the model's
+        self.spike = None  # (spike, threshold) when the update's own conditional tested it
 
 
 class GuardedStep:
@@ -107,10 +118,13 @@ class GuardedStep:
         guard: ``False`` for ``on_nonfinite="ignore"`` (records only, every step applied).
         clip: the ``clip_global_norm`` of :func:`train`, or ``None``.
         limit: the consecutive skipped steps after which nothing more is applied.
+        spikes: the ``skip_loss_spikes`` of :func:`train` (a step whose loss is more
+            than this many running standard deviations above the running mean of the
+            loss is skipped), or ``None``.
     """
 
     def __init__(self, model, strategy, *, capacity: int, guard: bool, clip: float | None, limit: int,
-                 defer: bool = True, watch_logs: bool = False) -> None:
+                 defer: bool = True, watch_logs: bool = False, spikes: float | None = None) -> None:
         self.model = model
         self.optimizer = model.optimizer
         self.loss_scaler = self.optimizer if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer) else None
@@ -124,6 +138,7 @@ class GuardedStep:
         self.guard = guard
         self.clip = clip
         self.limit = int(limit)
+        self.spikes = None if spikes is None or not guard else float(spikes)
         self.variables = list(model.trainable_variables)
         self.original_step = model.train_step
         self.optimizers = model_optimizers(model)
@@ -145,12 +160,17 @@ class GuardedStep:
         self._slot = _TraceSlot()
         nvars = max(len(self.variables), 1)
         with strategy.scope():
-            self.records = tf.Variable(tf.zeros([self.capacity, 4]), name="guard_records", **_ON_READ)
+            self.records = tf.Variable(tf.zeros([self.capacity, COLUMNS]), name="guard_records", **_ON_READ)
             self.counts = tf.Variable(
                 tf.zeros([self.capacity, 2, nvars], tf.int64), name="guard_counts", **_ON_READ
             )
             self.written = tf.Variable(tf.constant(0, tf.int32), name="guard_written", **_ON_READ)
             self.consecutive = tf.Variable(tf.constant(0, tf.int32), name="guard_consecutive", **_ON_READ)
+            # skip_loss_spikes: the running mean and variance of the loss, and the steps
+            # they have seen (every replica the same values: the loss is all-reduced).
+            self.loss_stats = None
+            if self.spikes is not None:
+                self.loss_stats = tf.Variable(tf.zeros([3]), name="guard_loss_stats", **_ON_READ)
         self.state = None  # found when the step is traced (fit builds the metrics first)
 
     def _state(self) -> list:
@@ -286,7 +306,7 @@ class GuardedStep:
         consecutive = _read(self.consecutive) if one else tf.convert_to_tensor(self.consecutive)
         halted = tf.raw_ops.GreaterEqual(x=consecutive, y=tf.constant(self.limit, tf.int32))
         slot.active, slot.loss, slot.multiplier_fn, slot.record, slot.halted = True, None, None, None, halted
-        slot.late, slot.grads, slot.norms = [], {}, []
+        slot.late, slot.grads, slot.norms, slot.spike = [], {}, [], None
         slot.deferred, slot.after_apply = deferred, None
         graph = tf.compat.v1.get_default_graph()
         first = len(graph.get_operations())
@@ -326,6 +346,18 @@ class GuardedStep:
                 bad = tf.cast(tf.logical_not(finite), tf.float32)
                 finite = context.all_reduce(tf.distribute.ReduceOp.SUM, bad) < 0.5
             applied = tf.raw_ops.LogicalAnd(x=applied, y=finite)
+        spike = threshold = None
+        if self.spikes is not None:
+            # A finite loss far above the running mean of the applied steps' losses:
+            # skipped like a non-finite step, decided on the device (no host round trip).
+            if slot.spike is not None:
+                # Tested before the update's conditional, which the spike skipped already.
+                spike, threshold = slot.spike
+                spike = tf.raw_ops.LogicalAnd(x=spike, y=finite)  # a non-finite step is not called a spike
+            else:
+                spike, threshold = self._spike(loss, halted)
+                spike = tf.raw_ops.LogicalAnd(x=spike, y=applied)  # a non-finite step is not called a spike
+                applied = tf.raw_ops.LogicalAnd(x=applied, y=tf.raw_ops.LogicalNot(x=spike))
         counts = self._counts(slot) if self.guard and self.variables else None
         if self.guard and isinstance(slot.deferred, DeferredUpdate):
             # The NaN/Inf counts of a step that may be skipped, written before the update
@@ -341,13 +373,19 @@ class GuardedStep:
             counts = None
             applied = slot.deferred.run(applied, self._direct(), on_skip)
         self._put_back(restored, applied, now)
+        if spike is not None:
+            self._count_loss(loss, spike, threshold, tf.raw_ops.LogicalOr(x=applied, y=spike))
         if self.watch_logs and isinstance(logs, dict):
             self._write_log_flags(logs, written)
-        row = tf.stack([tf.cast(loss, tf.float32), tf.cast(norm, tf.float32), tf.cast(applied, tf.float32), scale])
+        spiked = tf.constant(0.0) if spike is None else tf.cast(spike, tf.float32)
+        row = tf.stack([tf.cast(loss, tf.float32), tf.cast(norm, tf.float32), tf.cast(applied, tf.float32), scale,
+                        spiked])
+        # A spike is a finite step: it ends a run of non-finite ones, as an applied step does.
+        ended = applied if spike is None else tf.raw_ops.LogicalOr(x=applied, y=spike)
         if one:
-            self._record_raw(row, counts, written, consecutive, halted, applied)
+            self._record_raw(row, counts, written, consecutive, halted, applied, ended)
         else:
-            self._record(row, counts, written, consecutive, halted, applied)
+            self._record(row, counts, written, consecutive, halted, applied, ended)
         if isinstance(logs, dict):
             # Re-read after the restore: a skipped step leaves no trace in the logs.
             fresh = self.model.get_metrics_result()
@@ -392,20 +430,71 @@ class GuardedStep:
         else:
             tf.cond(applied, lambda: tf.constant(0), write_counts)
 
-    def _record_raw(self, row, counts, written, consecutive, halted, applied) -> None:
+    def _spike(self, loss, halted):
+        """Whether the step's loss is a spike, and the threshold it was tested against.
+
+        A spike: after :data:`SPIKE_WARMUP` counted steps, a finite loss above ``mean +
+        z * spread``, where ``mean`` and ``spread`` (the standard deviation, at least
+        :data:`SPIKE_MIN_SPREAD` times ``|mean|``) are the running statistics of
+        :meth:`_count_loss`. Both replicas and workers see the same (all-reduced) loss and
+        the same statistics, so they decide alike.
+        """
+        stats = _read(self.loss_stats) if self.replicas == 1 else tf.convert_to_tensor(self.loss_stats)
+        mean, variance, seen = stats[0], stats[1], stats[2]
+        loss = tf.cast(loss, tf.float32)
+        spread = tf.maximum(tf.sqrt(tf.maximum(variance, 0.0)), SPIKE_MIN_SPREAD * tf.abs(mean))
+        threshold = mean + self.spikes * spread
+        spike = tf.logical_and(
+            tf.logical_and(seen >= SPIKE_WARMUP, tf.math.is_finite(loss)),
+            tf.logical_and(loss > threshold, tf.logical_not(halted)),
+        )
+        return spike, threshold
+
+    def _count_loss(self, loss, spike, threshold, counted) -> None:
+        """The running mean and variance of the loss, moved by a counted step's loss: an
+        applied step's, or a spike's clipped to the threshold (a lasting change of level
+        is then accepted after some steps instead of skipped for ever).
+
+        ``d = x - mean; mean += a d; variance = (1 - a) (variance + a d**2)`` with ``a =
+        1 / min(seen + 1, SPIKE_WINDOW)``: the exact mean and variance of the first steps,
+        then exponential moving averages (West's weighted update, no square of the loss
+        itself, which could overflow).
+        """
+        one = self.replicas == 1
+        stats = _read(self.loss_stats) if one else tf.convert_to_tensor(self.loss_stats)
+        mean, variance, seen = stats[0], stats[1], stats[2]
+        value = tf.where(spike, threshold, tf.cast(loss, tf.float32))
+        value = tf.where(counted, value, mean)  # a step not counted moves nothing (and makes no NaN)
+        rate = 1.0 / tf.minimum(seen + 1.0, float(SPIKE_WINDOW))
+        d = value - mean
+        new = tf.stack([mean + rate * d, (1.0 - rate) * (variance + rate * d * d), seen + 1.0])
+        new = tf.where(counted, new, stats)
+        if one:
+            tf.raw_ops.AssignVariableOp(resource=self.loss_stats.handle, value=new)
+        else:
+            self.loss_stats.assign(new)
+
+    def reset_loss_stats(self) -> None:
+        """Forget the running loss statistics (after a rollback: the warm-up again)."""
+        if self.loss_stats is not None:
+            self.loss_stats.assign(tf.zeros([3]))
+
+    def _record_raw(self, row, counts, written, consecutive, halted, applied, ended=None) -> None:
         """The step's row of records, on one replica: raw writes, and no conditional but
         the counts' of a model of more than :data:`SELECT_LIMIT` weights (a halted step's
         row lands past the last one :meth:`drain` reads)."""
         index = tf.reshape(tf.minimum(written, self.capacity - 1), [1, 1])
-        tf.raw_ops.ResourceScatterNdUpdate(ref=self.records.handle, indices=index, updates=tf.reshape(row, [1, 4]))
+        tf.raw_ops.ResourceScatterNdUpdate(ref=self.records.handle, indices=index,
+                                           updates=tf.reshape(row, [1, COLUMNS]))
         if counts is not None:
             self._write_counts(counts, written, applied)
         running = tf.cast(tf.raw_ops.LogicalNot(x=halted), tf.int32)
         tf.raw_ops.AssignVariableOp(resource=self.written.handle, value=written + running)
-        following = tf.raw_ops.SelectV2(condition=applied, t=tf.zeros_like(consecutive), e=consecutive + running)
+        following = tf.raw_ops.SelectV2(condition=applied if ended is None else ended, t=tf.zeros_like(consecutive),
+                                        e=consecutive + running)
         tf.raw_ops.AssignVariableOp(resource=self.consecutive.handle, value=following)
 
-    def _record(self, row, counts, written, consecutive, halted, applied) -> None:
+    def _record(self, row, counts, written, consecutive, halted, applied, ended=None) -> None:
         """The step's row of records, under several replicas (Keras' assigns: the buffer
         is a sync-on-read variable there)."""
 
@@ -422,7 +511,8 @@ class GuardedStep:
 
                 tf.cond(applied, lambda: tf.constant(0), write_counts)
             self.written.assign(written + 1)
-            self.consecutive.assign(tf.where(applied, tf.zeros_like(consecutive), consecutive + 1))
+            ended_ = applied if ended is None else ended
+            self.consecutive.assign(tf.where(ended_, tf.zeros_like(consecutive), consecutive + 1))
             return tf.constant(0)
 
         tf.cond(halted, lambda: tf.constant(0), write)
@@ -611,6 +701,10 @@ class GuardedStep:
         if self.guard and not self.masked:
             finite = tf.logical_and(tf.math.is_finite(loss), tf.math.is_finite(norm))
             applied = tf.logical_and(finite, tf.logical_not(slot.halted))
+            if self.spikes is not None and slot.loss is not None:
+                # A loss spike skips the update's conditional too (the step's end reuses it).
+                slot.spike = self._spike(loss, slot.halted)
+                applied = tf.logical_and(applied, tf.logical_not(slot.spike[0]))
         else:  # masked: the step's end tests the loss, the norm and what the step wrote
             applied = tf.raw_ops.LogicalNot(x=slot.halted)
         update = summed if self.presummed else grads

@@ -114,6 +114,16 @@ def test_keras_optimizers_all_reduce_through_the_method_the_loop_overrides():
     assert "_all_reduce_sum_gradients" not in vars(optimizer)
 
 
+def test_keras_optimizers_keep_the_learning_rate_as_given():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", _internal.InternalAPIWarning)
+        rate = _internal.learning_rate_as_given(keras.optimizers.SGD(0.5))
+        schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)
+        found = _internal.learning_rate_as_given(keras.optimizers.Adam(schedule))
+    assert isinstance(rate, keras.Variable) and float(rate.numpy()) == 0.5
+    assert found is schedule
+
+
 def test_keras_layers_flatten_nested_layers():
     inner = keras.Sequential([keras.layers.Dense(2)])
     model = keras.Sequential([keras.Input((3,)), inner, keras.layers.Dense(1)])

@@ -369,7 +369,7 @@ class _DuckOptimizer:
 #: train's own checks (fit's and compile's arguments raise as fit and compile raise them:
 #: tests/contracts/test_training_keras_contracts.py compares the two).
 BAD_INPUTS = [
-    ({"on_nonfinite": "warn"}, ValueError, r"on_nonfinite must be one of \('skip', 'raise', 'ignore'\), got 'warn'"),
+    ({"on_nonfinite": "warn"}, ValueError, r"on_nonfinite must be one of \('skip', 'raise', 'ignore', 'rollback'\), got 'warn'"),
     ({"max_consecutive_nonfinite": 0}, ValueError, r"max_consecutive_nonfinite must be >= 1"),
     ({"clip_global_norm": -1.0}, ValueError, r"clip_global_norm must be a finite number > 0, got -1\.0"),
     ({"on_worker_loss": "hang"}, ValueError, r"on_worker_loss must be 'exit' or 'raise'"),
