@@ -317,3 +317,55 @@ def test_rollback_refuses_a_learning_rate_it_cannot_scale():
     with pytest.raises(ValueError, match="rollback"):
         train(mlp(), x, y, loss="mse", optimizer=keras.optimizers.SGD(lambda: 0.1), on_nonfinite="rollback",
               verbose=0)
+
+
+class TwoOptimizers(keras.Model):
+    """A model's own ``train_step`` with two optimizers: the model's for the body, another for the head."""
+
+    def __init__(self, rate):
+        super().__init__()
+        keras.utils.set_random_seed(0)
+        self.body = [keras.layers.Dense(64, activation="tanh"), keras.layers.Dense(64, activation="tanh")]
+        self.head = keras.layers.Dense(1)
+        self.other = sgd(rate)
+
+    def call(self, x):
+        for layer in self.body:
+            x = layer(x)
+        return self.head(x)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean((self(x, training=True) - y) ** 2)
+        body = [v for layer in self.body for v in layer.trainable_variables]
+        head = self.head.trainable_variables
+        grads = tape.gradient(loss, body + head)
+        self.optimizer.apply(grads[: len(body)], body)
+        self.other.apply(grads[len(body):], head)
+        return {"loss": loss}
+
+
+def test_a_models_own_step_with_two_optimizers_rolls_back_both():
+    x, y = regression()
+    model = TwoOptimizers(0.3)
+    model(x[:1])
+    history = train(model, x, y, batch_size=BATCH, epochs=4, loss="mse", optimizer=sgd(0.3),
+                    on_nonfinite="rollback", shuffle=False, verbose=0)
+    assert history.rollbacks
+    assert rate_of(model.optimizer) == pytest.approx(rate_of(model.other))
+    assert rate_of(model.optimizer) == pytest.approx(0.3 * history.rollbacks[-1].scale)
+    assert finite(model) and all(np.isfinite(np.asarray(v.numpy())).all() for v in model.other.variables)
+
+
+def test_a_spike_ends_a_run_of_nonfinite_steps_in_the_step_too():
+    x, y = spiky_data(outliers=(32,))
+    x = x.copy()
+    for batch in (30, 31, 33):
+        x[batch * SPIKE_BATCH + 5, 0] = np.nan
+    history = train(small_mlp(), x, y, batch_size=SPIKE_BATCH, epochs=1, loss="mse",
+                    optimizer=keras.optimizers.Adam(3e-3), skip_loss_spikes=6, max_consecutive_nonfinite=3,
+                    shuffle=False, verbose=0)  # no NonFiniteError: the spike is a finite step
+    assert history.skipped == [30, 31, 32, 33]
+    assert [r.reason for r in history.reports] == ["nonfinite", "nonfinite", "spike", "nonfinite"]
+    assert history.reports[0].diagnosis is not None and history.reports[2].diagnosis is None
