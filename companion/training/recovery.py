@@ -270,8 +270,8 @@ class Recovery:
             where = f"after step {last}" if last is not None else "at the start of training"
             raise error(end=(
                 f"The NaN doctor puts the cause in the data or a function's domain, where no learning rate helps: "
-                f"{cause} ({CAUSES[cause].description}){_summary(diagnosis)}. No rollback was made for it: the weights and "
-                f"optimizer state are those {where}. Fix: {CAUSES[cause].fix}."
+                f"{cause} ({CAUSES[cause].description}){_summary(diagnosis)}. No rollback was made for it: the "
+                f"weights and optimizer state are those {where}. Fix: {CAUSES[cause].fix}."
             ))
         if len(history.rollbacks) >= self.max_rollbacks:
             self.restore()

@@ -271,7 +271,8 @@ def _empty():
 def test_records_survive_json_and_old_records_default_to_nonfinite():
     history = TrainingHistory(step_loss=[1.0, float("nan")], skipped=[1])
     history.reports.append(SkippedStep(1, 0, float("nan"), _empty(), reason="spike"))
-    history.rollbacks.append(Rollback(step=9, restored_step=0, learning_rate=0.15, epoch=0, scale=0.5, cause="overflow"))
+    history.rollbacks.append(
+        Rollback(step=9, restored_step=0, learning_rate=0.15, epoch=0, scale=0.5, cause="overflow"))
     again = TrainingHistory.from_json(history.to_json())
     assert again.rollbacks == history.rollbacks and again.reports[0].reason == "spike"
     old = SkippedStep(1, 0, 2.0, _empty()).to_dict()
@@ -369,3 +370,27 @@ def test_a_spike_ends_a_run_of_nonfinite_steps_in_the_step_too():
     assert history.skipped == [30, 31, 32, 33]
     assert [r.reason for r in history.reports] == ["nonfinite", "nonfinite", "spike", "nonfinite"]
     assert history.reports[0].diagnosis is not None and history.reports[2].diagnosis is None
+
+
+def test_rollback_and_spikes_work_with_mixed_precision():
+    """Float16 layers: a loss-scale optimizer, whose update runs under the step's conditional."""
+
+    def mixed(*widths):
+        keras.utils.set_random_seed(0)
+        hidden = [keras.layers.Dense(w, activation="tanh", dtype="mixed_float16") for w in widths]
+        return keras.Sequential([keras.Input((FEATURES,)), *hidden, keras.layers.Dense(1, dtype="float32")])
+
+    x, y = regression()
+    model = mixed(64, 64)
+    history = train(model, x, y, batch_size=BATCH, epochs=2, loss="mse", optimizer=sgd(0.3),
+                    on_nonfinite="rollback", shuffle=False, verbose=0)
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert history.rollbacks and rate_of(model.optimizer) == pytest.approx(0.3 * history.rollbacks[-1].scale)
+    assert finite(model)
+
+    xs, ys = spiky_data()
+    # Targets divided by 30: the outliers are 10 times too large, and no float16 overflows.
+    spiky = train(mixed(32), xs, ys / 30.0, batch_size=SPIKE_BATCH, epochs=2, loss="mse",
+                  optimizer=keras.optimizers.Adam(3e-3), skip_loss_spikes=6, shuffle=False, verbose=0)
+    assert spiky.update == "whole" or spiky.update == "graph"
+    assert spiky.spikes == spiky.skipped == [e * SPIKE_BATCHES + b for e in range(2) for b in OUTLIERS]
