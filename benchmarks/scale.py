@@ -29,7 +29,7 @@ of its own). Run with::
     python benchmarks/scale.py [--quick] [--rounds N] [--models NAME,...] [--json PATH]
 
 ``--json auto`` writes into ``companion/book/benchmark_results/`` under the default name.
-``--quick`` (two small models, 1 round, 6 and 30 batches an epoch: 16 processes, about 90 s)
+``--quick`` (the small CNN, 1 round, 6 batches an epoch: 8 processes, under a minute)
 only checks that the benchmark runs: its numbers are not the full run's. The full run
 (5 models, 3 rounds, 120 processes) takes about 25 minutes on 2 cores; ``--models`` picks
 models, ``--batches`` sets every model's batches per epoch.
@@ -64,8 +64,8 @@ MODELS = {
     "mlp-8m": ("MLP 2048-2048-2048-1", 20),
     "mlp-28m": ("MLP 3072-3072-3072-3072-1", 8),
 }
-#: --quick: two small models, with enough batches that 4 more epochs outlast a child's noise.
-QUICK_BATCHES = {"cnn-bn": 6, "mlp-0.4m": 30}
+#: --quick: the small CNN, with enough batches that 4 more epochs outlast a child's noise.
+QUICK_BATCHES = {"cnn-bn": 6}
 #: Times a measurement is made again when its 5-epoch run was not the longer (a slow spell
 #: of the shared machine during the 1-epoch run): its steady time would be 0 or negative.
 RETRIES = 2
