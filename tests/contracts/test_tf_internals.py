@@ -114,6 +114,10 @@ def test_keras_optimizers_all_reduce_through_the_method_the_loop_overrides():
     assert "_all_reduce_sum_gradients" not in vars(optimizer)
 
 
+@pytest.mark.skipif(
+    tuple(int(p) for p in keras.__version__.split(".")[:2]) < (3, 6),
+    reason="Keras 3.5 keeps the learning rate otherwise: the hook falls back (a known gap, issue 46)",
+)
 def test_keras_optimizers_keep_the_learning_rate_as_given():
     with warnings.catch_warnings():
         warnings.simplefilter("error", _internal.InternalAPIWarning)

@@ -81,6 +81,10 @@ def test_a_float16_sublayer_inside_a_block_is_put_in_float32_for_the_check_and_n
     assert np.isfinite(history.history["loss"]).all()
 
 
+@pytest.mark.skipif(
+    tuple(int(p) for p in keras.__version__.split(".")[:2]) < (3, 6),
+    reason="Keras 3.5's MultiHeadAttention does not pass its dtype policy on (a known gap, issue 42)",
+)
 def test_a_keras_composite_layer_passes_its_float32_policy_on_by_itself():
     """A Keras layer that makes its own sublayers (``MultiHeadAttention``) passes ``dtype`` on.
 

@@ -19,6 +19,15 @@ from companion.diagnostics import CAUSES
 from companion.training import NonFiniteError, Rollback, ScaledSchedule, SkippedStep, TrainingHistory, train
 from companion.training.recovery import RATE_CANNOT_CURE
 
+
+#: Keras 3.5 (the oldest stack) keeps an optimizer's learning rate where the rollback's hook
+#: cannot read it as given: recovery is tested on Keras 3.6 and newer (a known gap, issue 46).
+pytestmark = pytest.mark.skipif(
+    tuple(int(p) for p in keras.__version__.split(".")[:2]) < (3, 6),
+    reason="rollback reads the learning rate as given through a hook Keras 3.5 lacks",
+)
+
+
 ROWS, FEATURES, BATCH = 2048, 8, 32  # 64 steps per epoch
 
 
