@@ -12,8 +12,12 @@ non-finite steps names a cause in the data or in a function's domain
 The state restored is a snapshot taken at the start of the first epoch, and again at the
 start of every epoch that follows one without a non-finite step and with a mean loss at
 most :data:`SNAPSHOT_GROWTH` times the lowest so far (a run diverges with finite, growing
-losses for a while before its first NaN): a state from before the run began to diverge,
-not the state after the last good step, whose weights are already on their way out. It
+losses for a while before its first NaN), and within an epoch every
+:data:`SNAPSHOT_EVERY_STEPS` steps (at the end of the first host call that reaches them)
+on the same terms: no non-finite step since the last snapshot, and a mean loss of the
+steps since then at most :data:`SNAPSHOT_GROWTH` times the lowest such mean so far. It is
+a state from before the run began to diverge, not the state after the last good step,
+whose weights are already on their way out. It
 holds every variable of the model (weights, non-trainable state such as batch-norm
 statistics) and of every optimizer (moments, iteration counter), but not the learning
 rates (the rollback sets them), the random state (as for a skipped step), a dynamic loss
@@ -59,6 +63,11 @@ RATE_CANNOT_CURE = frozenset({
 #: A snapshot replaces the last one only after an epoch whose mean loss is at most this
 #: many times the lowest epoch loss so far (and that had no non-finite step).
 SNAPSHOT_GROWTH = 2.0
+
+#: Within an epoch, a snapshot is considered every this many steps (``None``: at epoch
+#: starts only). Long epochs then lose at most this many steps to a rollback; each
+#: snapshot is one read of the state into the host's copy, which is reused.
+SNAPSHOT_EVERY_STEPS: int | None = 1000
 
 #: The consecutive-skip limit the guarded step is given under ``"rollback"``: it never
 #: halts inside a host call (the callback counts the runs and rolls back).
@@ -106,11 +115,19 @@ def _inner(optimizer):
     return getattr(optimizer, "inner_optimizer", None) or optimizer
 
 
+def _is_variable(value) -> bool:
+    """A variable, Keras' or TensorFlow's: what a float learning rate becomes. Told by
+    what it does (Keras 3.5's backend variables are not instances of ``keras.Variable``)."""
+    return isinstance(value, (keras.Variable, tf.Variable)) or (
+        callable(getattr(value, "assign", None)) and hasattr(value, "dtype") and hasattr(value, "shape")
+    )
+
+
 def check_learning_rates(model) -> None:
     """Every optimizer's learning rate can be scaled: a float (a variable) or a schedule."""
     for optimizer in model_optimizers(model):
         rate = _internal.learning_rate_as_given(_inner(optimizer))
-        if not isinstance(rate, (keras.Variable, tf.Variable, keras.optimizers.schedules.LearningRateSchedule)):
+        if not (_is_variable(rate) or isinstance(rate, keras.optimizers.schedules.LearningRateSchedule)):
             raise ValueError(
                 f"on_nonfinite='rollback' scales the learning rate of {type(optimizer).__name__}, which must be a "
                 f"float or a keras.optimizers.schedules.LearningRateSchedule, got {type(rate).__name__}"
@@ -163,16 +180,23 @@ class Recovery:
         max_rollbacks: the rollbacks allowed (over the whole run, a resumed one included).
         factor: ``rollback_lr_factor``.
         verbose: print each rollback.
+        snapshot_every: consider a snapshot within an epoch every this many steps
+            (default :data:`SNAPSHOT_EVERY_STEPS`; ``0`` or ``None`` there: at epoch
+            starts only).
     """
 
     def __init__(self, model, step: GuardedStep, history: TrainingHistory, *, limit: int, max_rollbacks: int,
-                 factor: float, verbose: bool) -> None:
+                 factor: float, verbose: bool, snapshot_every: int | None = None) -> None:
         self.model, self.step, self.history = model, step, history
         self.limit, self.max_rollbacks, self.factor, self.verbose = limit, max_rollbacks, factor, verbose
+        self.every = SNAPSHOT_EVERY_STEPS if snapshot_every is None else snapshot_every
         self.saved: list[tuple[Any, np.ndarray]] | None = None
         self.saved_step = 0
         self.run = 0  # the non-finite steps in a row, counted on the host
         self.clean = True  # no non-finite step in this epoch so far
+        self.window = 0  # the first step since the last snapshot (or rollback) was taken
+        self.clean_since_snapshot = True  # no non-finite step since then
+        self.lowest_window: float | None = None  # the lowest mean loss between snapshots
 
     # -- the snapshot --------------------------------------------------------------------
 
@@ -183,7 +207,7 @@ class Recovery:
         optimizers = model_optimizers(model)
         for optimizer in optimizers:
             rate = _internal.learning_rate_as_given(_inner(optimizer))
-            if isinstance(rate, (keras.Variable, tf.Variable)):
+            if _is_variable(rate):
                 kept.add(id(rate))
             if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
                 kept.update(id(v) for v in (optimizer.dynamic_scale, optimizer.step_counter))
@@ -214,13 +238,45 @@ class Recovery:
             clean and not self.run and np.isfinite(last) and last <= SNAPSHOT_GROWTH * min(losses)
         ):
             return
+        self._snapshot()
+
+    def take_within_epoch(self) -> None:
+        """After a host call: the snapshot, if ``every`` steps have passed since the last
+        one (or the last rollback), none of them non-finite, and their mean loss (of the applied steps) is at
+        most :data:`SNAPSHOT_GROWTH` times the lowest such mean so far."""
+        history = self.history
+        if not self.every or self.saved is None or history.steps - self.window < self.every:
+            return
+        if not self.clean_since_snapshot or self.run:
+            return
+        skipped = set(history.skipped)
+        losses = [history.step_loss[i] for i in range(self.window, history.steps) if i not in skipped]
+        mean = float(np.mean(losses)) if losses else float("nan")
+        if not np.isfinite(mean):
+            return
+        if self.lowest_window is not None and mean > SNAPSHOT_GROWTH * self.lowest_window:
+            return
+        self.lowest_window = mean if self.lowest_window is None else min(self.lowest_window, mean)
+        self._snapshot()
+
+    def _snapshot(self) -> None:
+        """Every copy of every variable into the host's copy (its arrays reused when their
+        shapes still match: the host holds one snapshot, not two, while a new one is taken)."""
+        old = {id(copy): value for copy, value in self.saved or ()}
         saved = []
         for variable in self._variables():
             for copy in components(variable):
                 with tf.device(copy.device):
-                    saved.append((copy, np.array(copy.read_value())))
+                    value = np.asarray(copy.read_value())
+                kept = old.get(id(copy))
+                if kept is not None and kept.shape == value.shape and kept.dtype == value.dtype:
+                    kept[...] = value
+                    saved.append((copy, kept))
+                else:
+                    saved.append((copy, np.array(value)))
         self.saved = saved
-        self.saved_step = self.history.steps
+        self.saved_step = self.window = self.history.steps
+        self.clean_since_snapshot = True
 
     def restore(self) -> None:
         """Every copy of every variable to its snapshot (an optimizer built since: to its
@@ -249,11 +305,14 @@ class Recovery:
             if report.reason == "nonfinite":
                 bad.add(report.step)
         self.clean = self.clean and not bad
+        self.clean_since_snapshot = self.clean_since_snapshot and not bad
         failed = None
         for index in range(start, history.steps):
             self.run = self.run + 1 if index in bad else 0
             if failed is None and self.run >= self.limit:
                 failed = index
+        if failed is None:
+            self.take_within_epoch()
         return failed
 
     def recover(self, failed: int, epoch: int, diagnose: Callable[[int], Any] | None, loss_scaled: bool) -> None:
@@ -293,6 +352,7 @@ class Recovery:
         self.step.reset(0)
         self.step.reset_loss_stats()
         self.run = 0
+        self.window, self.clean_since_snapshot = history.steps, True  # the state is the snapshot's
         if retrace:
             self.model.make_train_function(force=True)  # the schedule is read in the traced step
         if self.verbose:

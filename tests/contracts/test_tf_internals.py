@@ -114,17 +114,16 @@ def test_keras_optimizers_all_reduce_through_the_method_the_loop_overrides():
     assert "_all_reduce_sum_gradients" not in vars(optimizer)
 
 
-@pytest.mark.skipif(
-    tuple(int(p) for p in keras.__version__.split(".")[:2]) < (3, 6),
-    reason="Keras 3.5 keeps the learning rate otherwise: the hook falls back (a known gap, issue 46)",
-)
 def test_keras_optimizers_keep_the_learning_rate_as_given():
     with warnings.catch_warnings():
         warnings.simplefilter("error", _internal.InternalAPIWarning)
-        rate = _internal.learning_rate_as_given(keras.optimizers.SGD(0.5))
+        sgd = keras.optimizers.SGD(0.5)
+        rate = _internal.learning_rate_as_given(sgd)
         schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)
         found = _internal.learning_rate_as_given(keras.optimizers.Adam(schedule))
-    assert isinstance(rate, keras.Variable) and float(rate.numpy()) == 0.5
+    # A variable (Keras 3.5's backend variables are not instances of keras.Variable).
+    assert callable(getattr(rate, "assign", None)) and float(rate.numpy()) == 0.5
+    assert any(rate is v for v in sgd.variables)  # the optimizer's own, which a rollback assigns
     assert found is schedule
 
 
