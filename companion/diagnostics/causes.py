@@ -142,6 +142,16 @@ CAUSES: dict[str, Cause] = {
         "never repeats is skipped by companion.training.train",
         "book/closing/finding_your_own_nan#a-custom-train-step-a-checked-remedy-a-capsule",
     ),
+    "nonfinite_update": Cause(
+        "the loss and the gradients are finite, but the update writes NaN or Inf: optimizer "
+        "arithmetic in a low precision (Adam's epsilon=1e-8 is 0 in float16, so a second "
+        "moment of 0 divides by 0), a weight carried beyond its dtype's largest value, or a "
+        "layer's moving statistic",
+        "an epsilon the variables' dtype holds (1e-4 for float16), or the variables in "
+        "float32 (the mixed_float16 policy keeps them so, with a LossScaleOptimizer); "
+        "companion.training.train skips such a step",
+        f"{_CHECKLIST}#nan-only-in-float16",
+    ),
     "unclassified": Cause(
         "a non-finite value whose cause the doctor does not recognise",
         "read the op, its inputs and the line below; locate_nonfinite on a smaller "
@@ -395,6 +405,7 @@ RECOGNISED_ELSEWHERE: dict[str, str] = {
     "divergence": "companion.diagnostics.doctor (grew: the losses before the failure)",
     "compiled_only": "companion.diagnostics.doctor (the compiled step fails, the re-run does not)",
     "not_reproducible": "companion.diagnostics.doctor (the step is finite when run again)",
+    "nonfinite_update": "companion.diagnostics.update (the update, applied on copies, from finite gradients)",
     "unclassified": "classify (no rule and no output cause)",
 }
 

@@ -23,7 +23,7 @@ from companion.diagnostics.trace import nonfinite_mask
 
 __all__ = ["Diagnosis", "PHASES", "from_event", "keep_state", "replace", "symptom"]
 
-PHASES = ("input", "weights", "forward", "loss", "backward")
+PHASES = ("input", "weights", "forward", "loss", "backward", "update")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,9 +34,12 @@ class Diagnosis:
         batch: index (0-based) of the batch, counted from the start of ``data``.
         phase: where the first non-finite value appeared: ``"input"`` (the batch),
             ``"weights"`` (the model), ``"forward"`` (the model's call), ``"loss"``
-            (the loss and regularisation) or ``"backward"`` (the gradient).
+            (the loss and regularisation), ``"backward"`` (the gradient) or ``"update"``
+            (what the optimizer or a layer's moving statistic would write, from a finite
+            loss and finite gradients).
         op: type of the op whose output was first non-finite (``"Log"``,
-            ``"SqrtGrad"``); ``None`` for the input and weights phases.
+            ``"SqrtGrad"``); for the update phase, the optimizer's apply
+            (``"Adam.apply"``); ``None`` for the input and weights phases.
         forward_op: for a gradient op, the forward op it differentiates; else ``None``.
         layer: path of the Keras layer (for a gradient op, the forward op's layer).
         source: ``"file:line"`` of the user's code that created the op (for a

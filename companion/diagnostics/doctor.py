@@ -40,6 +40,7 @@ from companion.diagnostics.state import restore, snapshot
 from companion.diagnostics.step import culprit, pack, step_variables, uses_own_step, written_variables
 from companion.diagnostics.step import logs_values as _logs_values
 from companion.diagnostics.trace import OpTracer, eager_trace, nonfinite_mask
+from companion.diagnostics.update import find_update
 
 __all__ = ["Diagnosis", "diagnose"]
 
@@ -158,7 +159,10 @@ def _diagnose(model, data, loss_fn, own, scanned, jit_compile, eager_fallback, l
         restore(origin)
         found = scan(*scanned, None)
     if found is None:
-        return None
+        # Finite loss and gradients on every batch: the update itself may write the NaN
+        # (optimizer arithmetic in a low precision, a weight beyond its dtype's range).
+        restore(origin)
+        return find_update(*scanned)
     index, (x, y_true, weights), compiled = found
     state = compiled.pop("state", None)
     result = _diagnose_batch(

@@ -37,6 +37,7 @@ SHOWS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "divergence": (("learning rate", "grows"), ("clipnorm", "smaller learning rate")),
     "compiled_only": (("XLA",), ("jit_compile",)),
     "not_reproducible": (("does not reproduce",), ("save", "replay")),
+    "nonfinite_update": (("float16", "the update makes the weights"), ("float32", "LossScaleOptimizer")),
     "unclassified": ((), ("locate_nonfinite",)),
 }
 

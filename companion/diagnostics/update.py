@@ -1,0 +1,301 @@
+"""A NaN written by the update, not by the gradient: which variable, which optimizer, which arithmetic.
+
+The loss and the gradients of a step can be finite while the update makes a weight or
+the optimizer's state non-finite: optimizer arithmetic in a low precision (Adam's
+``epsilon=1e-8`` is 0 in ``float16``, so a second moment of 0 gives ``m / 0``), or an
+update that carries a weight beyond its dtype's largest value. :func:`find_update`
+computes what the optimizer would write, on copies (the model, its optimizer and its
+state are left as they are): the same optimizer rebuilt from its config on copies of
+the trainable variables, with its state copied in, applied to the step's gradients
+once in the variables' own dtype and once in ``float64``. It names the first variable
+the update would make non-finite, the optimizer, the arithmetic (read from the values:
+the ``float64`` update finite and beyond the dtype's range is an overflow; finite and in
+range, with ``epsilon`` rounding to 0 in the dtype and a slot of the optimizer exactly 0
+there, is the ``epsilon`` that vanished), the line of user code that created the
+optimizer (in the user's files on the stack), and a remedy — the optimizer with an
+``epsilon`` the dtype can hold — verified by applying that optimizer, again on copies,
+to the same gradients and finding every variable it writes finite.
+"""
+
+from __future__ import annotations
+
+import inspect
+import linecache
+import math
+import os
+import re
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from companion.diagnostics.causes import CAUSES
+from companion.diagnostics.data import batches
+from companion.diagnostics.diagnosis import Diagnosis
+from companion.diagnostics.gradients import _variable_path
+from companion.diagnostics.scan import ensure_built, model_state, random_states
+from companion.diagnostics.sources import is_library_file, source_text
+from companion.diagnostics.state import restore, snapshot
+from companion.diagnostics.trace import nonfinite_mask
+
+__all__ = ["find_update", "update_diagnosis"]
+
+CAUSE = "nonfinite_update"
+
+
+def _optimizer(model):
+    """The optimizer that applies the gradients (a loss-scale optimizer's inner one) and its wrapper."""
+    outer = getattr(model, "optimizer", None)
+    if not isinstance(outer, keras.optimizers.Optimizer):
+        return None, None
+    inner = getattr(outer, "inner_optimizer", None)
+    return (inner if isinstance(inner, keras.optimizers.Optimizer) else outer), outer
+
+
+def _gradients(model, loss_fn, x, y, w):
+    """The step's gradients (eagerly, as ``fit``'s step computes them), the model's state put back."""
+    variables = list(model.trainable_variables)
+    saved = model_state(model) + snapshot(random_states(model))
+    try:
+        with tf.GradientTape() as tape:
+            y_pred = model(x, training=True)
+            value = loss_fn(x, y, y_pred, w)
+        grads = tape.gradient(value, variables)
+        written = [(v, np.asarray(v.numpy())) for v in model.non_trainable_variables
+                   if tf.as_dtype(v.dtype).is_floating]
+        moved = [(v, value) for v, value in written if nonfinite_mask(value).any()]
+    finally:
+        restore(saved)
+    finite = bool(np.all(np.isfinite(np.asarray(tf.cast(value, tf.float32)))))
+    return variables, grads, finite, moved
+
+
+def _apply_on_copies(optimizer, variables, grads, dtype=None, **changes):
+    """What ``optimizer`` would write: ``(new values, new slot values by path, clone)``, on copies."""
+    config = {**optimizer.get_config(), **changes}
+    clone = type(optimizer).from_config(config)
+    pairs = [(v, g) for v, g in zip(variables, grads) if g is not None]
+    copies = []
+    for variable, _ in pairs:
+        value = np.asarray(variable.numpy())
+        copies.append(keras.Variable(value.astype(dtype) if dtype else value, dtype=dtype or variable.dtype,
+                                     trainable=True, name=variable.name))
+    clone.build(copies)
+    if optimizer.built:
+        source = list(optimizer.variables)
+        target = list(clone.variables)
+        if len(source) != len(target) or any(tuple(s.shape) != tuple(t.shape) for s, t in zip(source, target)):
+            raise ValueError("the optimizer's state cannot be copied")
+        for s, t in zip(source, target):
+            value = np.asarray(s.numpy())
+            if "learning_rate" in str(getattr(t, "path", t.name)) and "learning_rate" in changes:
+                continue
+            t.assign(value.astype(t.dtype) if np.issubdtype(value.dtype, np.floating) else value)
+    cast = [tf.cast(g, dtype or v.dtype) for (v, g) in pairs]
+    clone.apply_gradients(zip(cast, copies))
+    slots = {}
+    for original, copied in zip(optimizer.variables if optimizer.built else [], clone.variables):
+        slots[id(original)] = np.asarray(copied.numpy())
+    return [np.asarray(c.numpy()) for c in copies], [v for v, _ in pairs], clone, slots
+
+
+def _creation_line(optimizer) -> tuple[str | None, int | None]:
+    """The line of user code that created ``optimizer``: its class called, else its name as a string."""
+    files = []
+    frame = inspect.currentframe()
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not is_library_file(name) and os.path.exists(name) and name not in files:
+            files.append(name)
+        frame = frame.f_back
+    cls = re.escape(type(optimizer).__name__)
+    values = _argument_values(optimizer)
+    best, best_score = (None, None), -1
+    for pattern in (rf"\b{cls}\(", rf"optimizer\s*=\s*['\"]{cls.lower()}['\"]"):
+        for filename in files:
+            for lineno, line in enumerate(linecache.getlines(filename), start=1):
+                if line.lstrip().startswith("#") or not re.search(pattern, line):
+                    continue
+                numbers = [float(n) for n in re.findall(r"(?<![\w.])\d*\.?\d+(?:[eE][-+]?\d+)?", line)]
+                matched = [any(math.isclose(v, n, rel_tol=1e-6) for v in values) for n in numbers]
+                score = 2 * sum(matched) - len(matched)  # the numbers it spells are the optimizer's
+                if score > best_score:
+                    best, best_score = (filename, lineno), score
+        if best[0] is not None:
+            return best
+    return None, None
+
+
+def _argument_values(optimizer) -> list[float]:
+    """The optimizer's numeric arguments (what the call that made it may spell)."""
+    config = optimizer.get_config()
+    return [float(v) for v in config.values() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+
+
+def _call(optimizer, **changes) -> str:
+    """The optimizer as the call that makes it: its class and every argument that is not the default."""
+    cls = type(optimizer)
+    config = optimizer.get_config()
+    try:
+        default = cls().get_config()
+    except Exception:  # noqa: BLE001 - an optimizer without defaults: every argument
+        default = {}
+    shown = []
+    for key, value in {**config, **changes}.items():
+        if key in ("name",) or (key not in changes and key in default and default[key] == value):
+            continue
+        if isinstance(value, dict):
+            return ""  # a schedule: no one-line call
+        if isinstance(value, float):
+            value = float(np.format_float_positional(np.float32(value), trim="-"))
+        shown.append(f"{key}={value!r}")
+    return f"keras.optimizers.{cls.__name__}({', '.join(shown)})"
+
+
+def _safe_epsilon(dtype) -> float:
+    """The smallest power of ten at or above the dtype's smallest normal number."""
+    tiny = float(np.finfo(np.dtype(dtype)).tiny) if np.dtype(dtype) != np.dtype("bfloat16") else 1.2e-38
+    return float(10.0 ** math.ceil(math.log10(tiny)))
+
+
+def _np_dtype(dtype):
+    name = tf.as_dtype(dtype).name
+    return tf.as_dtype(dtype).as_numpy_dtype if name != "bfloat16" else np.float32
+
+
+def update_diagnosis(model, loss_fn, x, y, w, index: int | None = None) -> Diagnosis | None:
+    """The diagnosis of a step whose loss and gradients are finite and whose update is not; else None."""
+    optimizer, outer = _optimizer(model)
+    if optimizer is None or loss_fn is None:
+        return None
+    variables, grads, finite, moved = _gradients(model, loss_fn, x, y, w)
+    if not finite or any(g is not None and not bool(np.all(np.isfinite(np.asarray(
+            tf.cast(tf.convert_to_tensor(g), tf.float32))))) for g in grads):
+        return None
+    if not optimizer.built:
+        optimizer.build(variables)
+    new, applied, clone, slots = _apply_on_copies(optimizer, variables, grads)
+    bad = next((i for i, value in enumerate(new) if nonfinite_mask(value).any()), None)
+    bad_slots = [s for s in optimizer.variables if id(s) in slots and nonfinite_mask(slots[id(s)]).any()]
+    if bad is None and not bad_slots:
+        if moved:
+            return _moving_diagnosis(model, moved, index)
+        return None
+    filename, lineno = _creation_line(optimizer)
+    name = type(optimizer).__name__
+    if bad is not None:
+        variable, value = applied[bad], new[bad]
+    else:
+        variable, value = bad_slots[0], slots[id(bad_slots[0])]
+    dtype = tf.as_dtype(variable.dtype).name
+    mask = nonfinite_mask(value)
+    count = int(mask.sum())
+    path = _variable_path(variable)
+    summary = f"{name}'s update writes {count} non-finite of {value.size} entries of {path} ({dtype})"
+    remedy = verified = None
+    try:
+        wide, _, _, _ = _apply_on_copies(optimizer, variables, grads, dtype="float64")
+        wide_value = wide[bad] if bad is not None else None
+    except Exception:  # noqa: BLE001 - a state that cannot be widened: no float64 comparison
+        wide_value = None
+    epsilon = getattr(optimizer, "epsilon", None)
+    limit = float(np.finfo(_np_dtype(variable.dtype)).max) if dtype != "bfloat16" else 3.39e38
+    if wide_value is not None and np.all(np.isfinite(wide_value[mask])):
+        largest = float(np.max(np.abs(wide_value[mask])))
+        if largest > limit:
+            summary += f"; in float64 the update is finite, up to {largest:.3g}, beyond {dtype}'s largest {limit:.6g}"
+        elif isinstance(epsilon, (int, float)) and np.asarray(epsilon, _np_dtype(variable.dtype)) == 0:
+            zero = _zero_slot(optimizer, variable, slots, mask)
+            summary += (f"; epsilon={epsilon:g} is 0 in {dtype}" + (f", and {zero} is exactly 0 at "
+                        f"{'those entries' if count > 1 else 'that entry'}" if zero else "")
+                        + f": a division by 0 ({'0/0' if np.isnan(value[mask]).any() else 'x/0'}) that "
+                        f"float64 does not make (the update is finite there)")
+            remedy, verified = _epsilon_remedy(optimizer, variables, grads, variable.dtype, filename, lineno)
+    elif wide_value is not None:
+        summary += "; in float64 the update is non-finite too"
+    if remedy is None and isinstance(epsilon, (int, float)) and dtype in ("float16", "bfloat16") and (
+            np.asarray(epsilon, _np_dtype(variable.dtype)) == 0):
+        remedy, verified = _epsilon_remedy(optimizer, variables, grads, variable.dtype, filename, lineno)
+    cause = CAUSES[CAUSE]
+    return Diagnosis(
+        batch=index, phase="update", op=f"{name}.apply", forward_op=None, layer=_owner_path(model, variable),
+        source=f"{filename}:{lineno}" if filename else None, variables=(path,), dtype=dtype,
+        inputs_summary=summary, cause=CAUSE, fix=cause.fix, section=cause.section,
+        symptom="finite loss and gradients, non-finite update", code=source_text(filename, lineno),
+        remedy=remedy, verified=verified,
+    )
+
+
+def _zero_slot(optimizer, variable, slots, mask) -> str | None:
+    """The path of a slot of ``optimizer`` for ``variable`` that is exactly 0 where the update is non-finite."""
+    for slot in optimizer.variables:
+        value = slots.get(id(slot))
+        if value is None or value.shape != mask.shape or slot is variable:
+            continue
+        path = _variable_path(slot)
+        if _variable_path(variable).replace("/", "_") not in path.replace("/", "_"):
+            continue
+        if np.all(value[mask] == 0):
+            return path
+    return None
+
+
+def _epsilon_remedy(optimizer, variables, grads, dtype, filename, lineno):
+    """The optimizer with an ``epsilon`` that ``dtype`` holds, checked on copies: ``(remedy, verified)``."""
+    epsilon = _safe_epsilon(_np_dtype(dtype))
+    call = _call(optimizer, epsilon=epsilon)
+    if not call:
+        return None, None
+    where = f" (the optimizer made at {os.path.basename(filename)}:{lineno})" if filename else ""
+    remedy = f"{call}{where}: an epsilon that {tf.as_dtype(dtype).name} holds"
+    try:
+        new, _, clone, _ = _apply_on_copies(optimizer, variables, grads, epsilon=epsilon)
+        state = [np.asarray(v.numpy()) for v in clone.variables]
+        finite = all(np.all(np.isfinite(v)) for v in new) and all(
+            np.all(np.isfinite(v)) for v in state if v.dtype.kind == "f")
+    except Exception as error:  # noqa: BLE001 - said, not raised
+        return remedy, f"not verified: the update with epsilon={epsilon:g} failed ({type(error).__name__})"
+    written = len(new) + len(state)
+    return remedy, (f"verified: the update with epsilon={epsilon:g}, applied on copies to the failing step's "
+                    f"gradients, writes every one of its {written} variables finite" if finite else
+                    f"not verified: the update with epsilon={epsilon:g} is still non-finite")
+
+
+def _owner_path(model, variable) -> str | None:
+    path = _variable_path(variable)
+    head, _, _ = path.rpartition("/")
+    return head or None
+
+
+def _moving_diagnosis(model, moved, index) -> Diagnosis:
+    """A non-trainable variable (a moving statistic) the forward pass made non-finite."""
+    variable, value = moved[0]
+    path = _variable_path(variable)
+    dtype = tf.as_dtype(variable.dtype).name
+    summary = (f"the training forward pass writes {int(nonfinite_mask(value).sum())} non-finite of "
+               f"{value.size} entries of {path} ({dtype}), a non-trainable variable (a moving statistic)")
+    cause = CAUSES[CAUSE]
+    return Diagnosis(
+        batch=index, phase="update", op=None, forward_op=None, layer=_owner_path(model, variable), source=None,
+        variables=tuple(_variable_path(v) for v, _ in moved), dtype=dtype, inputs_summary=summary,
+        cause=CAUSE, fix=cause.fix, section=cause.section,
+        symptom="finite loss and gradients, non-finite update",
+    )
+
+
+def find_update(model, data, loss_fn, y, sample_weight, batch_size, max_batches, skip) -> Diagnosis | None:
+    """The first batch whose update (not its loss or gradients) is non-finite, diagnosed; else None."""
+    if loss_fn is None:
+        return None
+    for index, batch in enumerate(batches(data, y, sample_weight, batch_size)):
+        if max_batches is not None and index >= skip + max_batches:
+            break
+        if index < skip:
+            continue
+        x, y_true, weights = batch
+        ensure_built(model, x)
+        found = update_diagnosis(model, loss_fn, x, y_true, weights, index)
+        if found is not None:
+            return found
+    return None

@@ -1,0 +1,141 @@
+"""NaN written by the update, not by the gradient (issue 42, item 1), rebuilt from public reports.
+
+In each report the loss and the gradients of the failing step are finite and the optimizer's
+update writes NaN or Inf: its ``epsilon`` is 0 in ``float16``, so where a second moment (or an
+accumulator) is 0 the update divides by 0. Each test trains the reporter's kind of model with
+``fit`` and :class:`~companion.diagnostics.NaNDoctor` and asserts what the doctor names — the
+variable and the optimizer's update, the line that made the optimizer, the cause — and that the
+first printed remedy, applied as printed (its call evaluated and compiled in), makes the same
+run finite.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import keras
+import numpy as np
+import pytest
+
+from companion.diagnostics import NaNDoctor, diagnose
+
+
+def _line(function, marker: str) -> int:
+    lines, start = inspect.getsourcelines(function)
+    return start + next(i for i, text in enumerate(lines) if marker in text)
+
+
+def _optimizers_jl_167(optimizer=None):
+    """FluxML/Optimisers.jl#167: float16 weights, Adam(1e-4) with the default (float64) epsilon."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, dtype="float16", name="dense")])
+    optimizer = optimizer or keras.optimizers.Adam(1e-4, epsilon=1e-8)  # report-line
+    model.compile(optimizer, "mse")
+    x = np.tile(np.array([[0.579, -0.729, 0.5493]], "float32"), (8, 1)) * 1e-2
+    return model, x, np.zeros((8, 1), "float32")
+
+
+def _pykoi_69(optimizer=None):
+    """CambioML/pykoi#69: a reward model loaded in float16, Adam with an epsilon below 6e-8."""
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([
+        keras.Input((6,)),
+        keras.layers.Dense(8, activation="relu", dtype="float16", name="hidden"),
+        keras.layers.Dense(1, dtype="float16", name="reward"),
+    ])
+    optimizer = optimizer or keras.optimizers.Adam(learning_rate=1e-3, epsilon=1e-8)  # report-line
+    model.compile(optimizer, "mse")
+    x = np.random.default_rng(0).normal(size=(32, 6)).astype("float32")
+    x[:, 4] = 0.0  # a padded feature: its kernel row's gradient is exactly 0
+    return model, x, np.random.default_rng(1).normal(size=(32, 1)).astype("float32")
+
+
+def _pysyft_740(optimizer=None):
+    """OpenMined/PySyft#740: RMSProp's epsilon 1e-8 becomes 0 in a low precision and the update is NaN."""
+    keras.utils.set_random_seed(2)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, dtype="float16", name="dense")])
+    optimizer = optimizer or keras.optimizers.RMSprop(learning_rate=1e-3, epsilon=1e-8)  # report-line
+    model.compile(optimizer, "mse")
+    x = np.random.default_rng(2).normal(size=(16, 4)).astype("float32")
+    x[:, 0] = 0.0  # an input that is always 0: a zero gradient, a zero accumulator
+    return model, x, np.random.default_rng(3).normal(size=(16, 2)).astype("float32")
+
+
+def _optax_1790(optimizer=None):
+    """google-deepmind/optax#1790: AdaDelta with eps=1e-8 in float16, a zero gradient gives 0/0 = NaN."""
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([
+        keras.Input((5,)),
+        keras.layers.Dense(3, activation="tanh", dtype="float16", name="hidden"),
+        keras.layers.Dense(1, dtype="float16", name="out"),
+    ])
+    optimizer = optimizer or keras.optimizers.Adadelta(learning_rate=1.0, epsilon=1e-8)  # report-line
+    model.compile(optimizer, "mse")
+    x = np.random.default_rng(4).normal(size=(16, 5)).astype("float32")
+    x[:, 2] = 0.0
+    return model, x, np.random.default_rng(5).normal(size=(16, 1)).astype("float32")
+
+
+REPORTS = {
+    "FluxML/Optimisers.jl#167": (_optimizers_jl_167, "dense/kernel", "Adam"),
+    "CambioML/pykoi#69": (_pykoi_69, "hidden/kernel", "Adam"),
+    "OpenMined/PySyft#740": (_pysyft_740, "dense/kernel", "RMSprop"),
+    "google-deepmind/optax#1790": (_optax_1790, "hidden/kernel", "Adadelta"),
+}
+
+
+def _fit(model, x, y, callbacks=()):
+    return model.fit(x, y, batch_size=len(x), epochs=3, shuffle=False, verbose=0, callbacks=list(callbacks))
+
+
+def _all_finite(model) -> bool:
+    values = [v.numpy() for v in model.variables] + [v.numpy() for v in model.optimizer.variables]
+    return all(np.all(np.isfinite(np.asarray(v, np.float64))) for v in values if np.asarray(v).dtype.kind == "f")
+
+
+@pytest.mark.parametrize("report", sorted(REPORTS))
+def test_the_doctor_names_the_update_the_line_the_cause_and_a_remedy_that_cures(report, capsys):
+    build, variable, optimizer_name = REPORTS[report]
+    model, x, y = build()
+    _fit(model, x, y)
+    assert not _all_finite(model), f"{report}: the rebuild must fail as reported"
+    model, x, y = build()
+    doctor = NaNDoctor()
+    _fit(model, x, y, [doctor])
+    d = doctor.diagnosis
+    assert d is not None, capsys.readouterr().out
+    assert d.cause == "nonfinite_update" and d.phase == "update"
+    assert d.op == f"{optimizer_name}.apply"
+    assert d.variables and d.variables[0].endswith(variable), d.variables
+    assert d.dtype == "float16"
+    assert "epsilon=1e-08 is 0 in float16" in d.inputs_summary, d.inputs_summary
+    assert d.source.endswith(f"test_doctor_update_nan.py:{_line(build, 'report-line')}"), d.source
+    assert d.verified.startswith("verified:"), d.verified
+    printed = capsys.readouterr().out
+    assert printed.index("remedy:") < printed.index("fix:")  # the remedy is printed first
+    # The first printed remedy, applied as printed: its call is the optimizer of the same run.
+    call = d.remedy.partition(" (the optimizer made at")[0]
+    assert call.startswith(f"keras.optimizers.{optimizer_name}(") and "epsilon=0.0001" in call, d.remedy
+    model, x, y = build(eval(call, {"keras": keras}))  # noqa: S307 - the doctor's own printed call
+    history = _fit(model, x, y)
+    assert _all_finite(model) and np.all(np.isfinite(history.history["loss"]))
+
+
+def test_diagnose_alone_finds_the_update_of_a_fresh_model():
+    model, x, y = _pykoi_69()
+    before = [v.numpy().copy() for v in model.variables]
+    d = diagnose(model, (x, y))
+    assert d is not None and d.cause == "nonfinite_update" and d.variables[0].endswith("hidden/kernel")
+    assert "_velocity is exactly 0" in d.inputs_summary, d.inputs_summary  # Adam's second moment
+    after = [v.numpy() for v in model.variables]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))  # computed on copies
+    assert not model.optimizer.built or int(model.optimizer.iterations.numpy()) == 0
+
+
+def test_a_float32_model_with_the_same_optimizer_is_not_diagnosed():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.Adam(epsilon=1e-8), "mse")
+    x = np.random.default_rng(0).normal(size=(32, 6)).astype("float32")
+    x[:, 4] = 0.0
+    assert diagnose(model, (x, np.zeros((32, 1), "float32"))) is None
