@@ -19,7 +19,7 @@ separators (``2,100,225``) or an exponent (``1e-7``), that is not:
   marker (``[1]``), an issue number (``#117319``);
 - an index: the numbers that follow *section, exercise, chapter, cell, case, part, item, point, issue, row,
   question, answer, line, figure, table, version* (or their plurals; ``cells 6, 9 and 12`` is one index
-  list), or *Python, Keras, TensorFlow*;
+  list), or *Python, Keras, TensorFlow, TF* (a version);
 - a term of a formula written in plain text: a number next to ``/``, ``^``, ``*``, ``+``, ``=``, ``<``,
   ``>``, ``−`` (``1/(1−e^(−x))`` defines a function, it measures nothing).
 
@@ -28,7 +28,8 @@ separators (``2,100,225``) or an exponent (``1e-7``), that is not:
 
 1. printed by a cell: a number in a committed output of the page (stream, plain text, HTML without its
    tags), or written in the page's code (a setting the code shows: ``batch_size=64``); a decimal of the
-   prose may be an output's value rounded to the prose's places (``1.1`` for a printed ``1.13``);
+   prose may be an output's value rounded to the prose's places (``1.1`` for a printed ``1.13``; a whole
+   number is exact), and a number with ``%`` a printed fraction times 100;
 2. read from the shipped results (``companion/book/benchmark_results/*.json``), on a page whose code
    loads them (``load_results``): any numeric value of a result, as the page may write it (rounded to the
    prose's places, as a percentage ``100 v`` or ``100 (v − 1)`` with ``%``, a count of weights in
@@ -39,7 +40,8 @@ separators (``2,100,225``) or an exponent (``1e-7``), that is not:
    or a ``{cite}`` role, in the same sentence; these are trusted as cited. Two sources are checked, and
    count for their whole paragraph (or list item): a ``{doc}`` link (or a markdown link) to another page
    of the book, whose numbers by rules 1 and 2 the paragraph may state, and a repository file named in
-   inline code (``benchmarks/scale.py``: the number must be in that file).
+   inline code (``benchmarks/scale.py``, ``companion/training/step.py``: the number must be in that file,
+   as a literal; with ``%``, times 100).
 
 **A verdict** is *not resolved* (无法判定), or *met* / *missed* in italics or in a sentence about a target
 (达到 / 未达到 next to 目标: 目标已达到, 未达到目标); a Chinese term right after the English verdict it translates (``*met*，达到``) is the
@@ -71,7 +73,7 @@ ROOT = book_tools.ROOT
 #: A number as prose writes it; what is next to it decides whether it is one (module docstring).
 NUMBER = re.compile(r"(?<![\w.#/^*+=<>−\-])(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?([eE][-+−]?\d+)?(?![\w/^*+=<>−]|\.\d|,\d{3})")
 _INDEX_WORDS = (r"sections?|exercises?|chapters?|cells?|cases?|parts?|items?|points?|issues?|rows?|questions?|"
-                r"answers?|lines?|figures?|tables?|versions?|Python|Keras|TensorFlow|练习|第")
+                r"answers?|lines?|figures?|tables?|versions?|Python|Keras|TensorFlow|TF|练习|第")
 _INDEX = re.compile(rf"(?i)(?:\b|(?<=[\u4e00-\u9fff]))(?:{_INDEX_WORDS})\s*\d+(?:\.\d+)*"
                     rf"(?:\s*(?:,|、|and|or|to|–|-|和|或|至)\s*\d+(?:\.\d+)*)*")
 _UNIT = re.compile(r"\s*(%|ms\b|µs\b|s\b|seconds?\b|minutes?\b|[KMG]i?B\b|bytes?\b|[KMGT]?FLOP|M\b|million|"
@@ -196,16 +198,18 @@ def _from_results(value: float, text: str, after: str) -> bool:
 def _supported(page: pathlib.Path, value: float, text: str, after: str, sentence: str, paragraph: str) -> bool:
     if "⟦cite⟧" in sentence:
         return True
+    percent = bool(re.match(r"\s*%", after))
     pages = [page] + [p for p in (_resolve(page, t) for t in re.findall(r"⟦doc:([^⟧]+)⟧", paragraph)) if p]
     for source in pages:
         numbers, reads_results = _page_sources(source)
-        if _matches(value, text, numbers):
+        if _matches(value, text, numbers) or percent and _matches(value, text, [100 * n for n in numbers]):
             return True
         if reads_results and _from_results(value, text, after):
             return True
     for name in re.findall(r"⟦file:([^⟧]+)⟧", paragraph):
         file = ROOT / name
-        if file.is_file() and _matches(value, text, _numbers(file.read_text(encoding="utf-8"))):
+        numbers = _numbers(file.read_text(encoding="utf-8")) if file.is_file() else []
+        if _matches(value, text, numbers) or percent and _matches(value, text, [100 * n for n in numbers]):
             return True
     return False
 
