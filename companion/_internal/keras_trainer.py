@@ -74,9 +74,25 @@ def _builds_no_variable(model) -> bool:
     return isinstance(outputs, (list, tuple)) and len(outputs) == 1
 
 
+def own_step_unbuilt(model) -> bool:
+    """Whether ``model`` has its own ``train_step`` and a layer not built yet.
+
+    Its ``call()`` may take other inputs than the data (a GAN's generator takes noise, a
+    diffusion model takes noisy images and timesteps): building it by calling it on the
+    data would build its layers for the wrong shapes, or fail. ``fit`` without a
+    strategy builds nothing before the first step; the step builds what it uses.
+    """
+    own = next((vars(k)["train_step"] for k in type(model).__mro__ if "train_step" in vars(k)), None)
+    keras_step = next((vars(k)["train_step"] for k in type(model).__mro__
+                       if k.__module__.startswith("keras.") and "train_step" in vars(k)), None)
+    return own is not keras_step and not all(layer.built for layer in all_layers(model))
+
+
 @hook('test_keras_builds_compiled_metrics_from_an_element_spec')
 def build_compiled_state(model, element_spec) -> None:
     """Create the variables of ``model``'s compiled loss and metrics for batches like ``element_spec``."""
+    if own_step_unbuilt(model):
+        return  # fit calls no model before its first train_step: that step builds what it uses
     build = getattr(model, "_symbolic_build", None)
     if build is not None:
         if not _builds_no_variable(model):
