@@ -75,7 +75,7 @@ NUMBER = re.compile(r"(?<![\w.#/^*+=<>−\-])(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?([e
 _INDEX_WORDS = (r"sections?|exercises?|chapters?|cells?|cases?|parts?|items?|points?|issues?|rows?|questions?|"
                 r"answers?|lines?|figures?|tables?|versions?|Python|Keras|TensorFlow|TF|练习|第")
 _INDEX = re.compile(rf"(?i)(?:\b|(?<=[\u4e00-\u9fff]))(?:{_INDEX_WORDS})\s*\d+(?:\.\d+)*"
-                    rf"(?:\s*(?:,|、|and|or|to|–|-|和|或|至)\s*\d+(?:\.\d+)*)*")
+                    rf"(?:\s*(?:,|、|and|or|to|–|-|和|或|至|到)\s*\d+(?:\.\d+)*)*")
 _UNIT = re.compile(r"\s*(%|ms\b|µs\b|s\b|seconds?\b|minutes?\b|[KMG]i?B\b|bytes?\b|[KMGT]?FLOP|M\b|million|"
                    r"×|x\b|times\b|ulps?\b|倍|秒|毫秒|个 ulp)")
 _FORMULA = re.compile(r"[/^*+=<>−]\s*$")
@@ -332,3 +332,19 @@ def test_the_check_catches_what_it_is_for():
     assert not findings(page, "As tensorflow#117319 says, 124 ms.")
     assert not findings(page, "See section 13 and exercises 2 and 3, and $1.234$ and `0.5`, and 1/(1−e^(−x)).")
     assert not findings(page, "Exercise 3 lists each ratio whose verdict is not \"not resolved\".")
+
+
+def test_a_cited_page_or_file_is_checked_not_trusted():
+    """A ``{doc}`` link backs only the numbers its page prints, a file only its literals; a Chinese verdict is
+    checked like the English one."""
+    intro = ROOT / "book" / "intro.md"
+    assert not findings(intro, "Of the 1612 entries, 1442 ({doc}`case_a/clipping_and_guards`).")
+    assert findings(intro, "Of the 1613 entries ({doc}`case_a/clipping_and_guards`).")
+    page = ROOT / "book" / "reference" / "differences_from_fit.md"
+    assert not findings(page, "After 20 steps (`companion/training/step.py`).")
+    assert findings(page, "After 21 steps (`companion/training/step.py`).")
+    performance = ROOT / "book" / "tools" / "performance.ipynb"
+    row = next(row for result in _results() if result.benchmark != "scale" for row in result.ratios
+               if row["verdict"] == "not resolved")
+    assert not findings(performance, f"比值是 {row['ratio']:.2f}（*not resolved*，无法判定）。")
+    assert findings(performance, f"比值是 {row['ratio']:.2f}，目标已达到。")
