@@ -40,7 +40,7 @@ from companion.diagnostics.state import restore, snapshot
 from companion.diagnostics.step import culprit, pack, step_variables, uses_own_step, written_variables
 from companion.diagnostics.step import logs_values as _logs_values
 from companion.diagnostics.trace import OpTracer, eager_trace, nonfinite_mask
-from companion.diagnostics.update import find_update
+from companion.diagnostics.update import find_update, own_step_update
 
 __all__ = ["Diagnosis", "diagnose"]
 
@@ -318,6 +318,10 @@ def _diagnose_batch(model, loss_fn, index, x, y_true, weights, compiled, jit, fa
     if weights_found is not None:
         return weights_found
     own = loss_fn is None
+    if own:  # an optimizer's update that writes NaN from finite gradients: named as such
+        found = own_step_update(model, x, y_true, weights, index)
+        if found is not None:
+            return replace(found, symptom=symptom(compiled))
     tracer = OpTracer()
     try:
         if own:

@@ -30,6 +30,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from companion import _internal
 from companion.diagnostics.causes import CAUSES
 from companion.diagnostics.data import batches
 from companion.diagnostics.diagnosis import Diagnosis
@@ -37,9 +38,10 @@ from companion.diagnostics.gradients import _variable_path
 from companion.diagnostics.scan import ensure_built, model_state, random_states
 from companion.diagnostics.sources import is_library_file, source_text
 from companion.diagnostics.state import restore, snapshot
+from companion.diagnostics.step import optimizers_of, pack, step_variables
 from companion.diagnostics.trace import nonfinite_mask
 
-__all__ = ["find_update", "update_diagnosis"]
+__all__ = ["find_update", "own_step_update", "update_diagnosis"]
 
 CAUSE = "nonfinite_update"
 
@@ -71,37 +73,47 @@ def _gradients(model, loss_fn, x, y, w):
     return variables, grads, finite, moved
 
 
-def _apply_on_copies(optimizer, variables, grads, dtype=None, **changes):
-    """What ``optimizer`` would write: ``(new values, new slot values by path, clone)``, on copies."""
+def _apply_on_copies(optimizer, variables, grads, dtype=None, values=None, state=None, **changes):
+    """What ``optimizer`` would write, on copies: ``(new values, the variables with a gradient,
+    the optimizer's copy, {id(slot): its new value})``.
+
+    ``values`` and ``state``: the variables' and the optimizer's values to start from (as
+    numpy arrays; default: their values now).
+    """
     config = {**optimizer.get_config(), **changes}
     clone = type(optimizer).from_config(config)
-    pairs = [(v, g) for v, g in zip(variables, grads) if g is not None]
-    copies = []
-    for variable, _ in pairs:
-        value = np.asarray(variable.numpy())
-        copies.append(keras.Variable(value.astype(dtype) if dtype else value, dtype=dtype or variable.dtype,
-                                     trainable=True, name=variable.name))
+    if values is None:
+        values = [np.asarray(v.numpy()) for v in variables]
+    pairs = [(v, g, value) for v, g, value in zip(variables, grads, values) if g is not None]
+    copies = [keras.Variable(value.astype(dtype) if dtype else value, dtype=dtype or variable.dtype,
+                             trainable=True, name=variable.name) for variable, _, value in pairs]
     clone.build(copies)
     if optimizer.built:
         source = list(optimizer.variables)
         target = list(clone.variables)
         if len(source) != len(target) or any(tuple(s.shape) != tuple(t.shape) for s, t in zip(source, target)):
             raise ValueError("the optimizer's state cannot be copied")
-        for s, t in zip(source, target):
-            value = np.asarray(s.numpy())
+        if state is None:
+            state = [np.asarray(v.numpy()) for v in source]
+        for t, value in zip(target, state):
             if "learning_rate" in str(getattr(t, "path", t.name)) and "learning_rate" in changes:
                 continue
             t.assign(value.astype(t.dtype) if np.issubdtype(value.dtype, np.floating) else value)
-    cast = [tf.cast(g, dtype or v.dtype) for (v, g) in pairs]
+    cast = [tf.cast(g, dtype or v.dtype) for v, g, _ in pairs]
     clone.apply_gradients(zip(cast, copies))
     slots = {}
     for original, copied in zip(optimizer.variables if optimizer.built else [], clone.variables):
         slots[id(original)] = np.asarray(copied.numpy())
-    return [np.asarray(c.numpy()) for c in copies], [v for v, _ in pairs], clone, slots
+    return [np.asarray(c.numpy()) for c in copies], [v for v, _, _ in pairs], clone, slots
 
 
-def _creation_line(optimizer) -> tuple[str | None, int | None]:
-    """The line of user code that created ``optimizer``: its class called, else its name as a string."""
+def _creation_line(optimizer, model=None) -> tuple[str | None, int | None]:
+    """The line of user code that created ``optimizer``, in the user's files on the stack.
+
+    A line that calls its class (or names it as a string), spelling the most of its
+    arguments' values and nothing else; among equals, the one nearest a line that
+    makes ``model`` (its class called, or one of its layers' names as a string).
+    """
     files = []
     frame = inspect.currentframe()
     while frame is not None:
@@ -111,20 +123,38 @@ def _creation_line(optimizer) -> tuple[str | None, int | None]:
         frame = frame.f_back
     cls = re.escape(type(optimizer).__name__)
     values = _argument_values(optimizer)
-    best, best_score = (None, None), -1
+    markers = _model_markers(model)
     for pattern in (rf"\b{cls}\(", rf"optimizer\s*=\s*['\"]{cls.lower()}['\"]"):
+        found = []
         for filename in files:
-            for lineno, line in enumerate(linecache.getlines(filename), start=1):
+            lines = linecache.getlines(filename)
+            anchors = [i for i, line in enumerate(lines, start=1) if any(re.search(m, line) for m in markers)]
+            for lineno, line in enumerate(lines, start=1):
                 if line.lstrip().startswith("#") or not re.search(pattern, line):
                     continue
                 numbers = [float(n) for n in re.findall(r"(?<![\w.])\d*\.?\d+(?:[eE][-+]?\d+)?", line)]
                 matched = [any(math.isclose(v, n, rel_tol=1e-6) for v in values) for n in numbers]
                 score = 2 * sum(matched) - len(matched)  # the numbers it spells are the optimizer's
-                if score > best_score:
-                    best, best_score = (filename, lineno), score
-        if best[0] is not None:
-            return best
+                distance = min((abs(lineno - a) for a in anchors), default=len(lines))
+                found.append((-score, distance, len(found), filename, lineno))
+        if found:
+            _, _, _, filename, lineno = min(found)
+            return filename, lineno
     return None, None
+
+
+def _model_markers(model) -> list[str]:
+    """Patterns of a line that makes ``model``: its own class called, a layer's name as a string."""
+    if model is None:
+        return []
+    markers = []
+    if not type(model).__module__.startswith("keras"):
+        markers.append(rf"\b{re.escape(type(model).__name__)}\(")
+    for layer in _internal.all_layers(model)[1:]:
+        name = getattr(layer, "name", "")
+        if name:
+            markers.append(rf"name\s*=\s*['\"]{re.escape(name)}['\"]")
+    return markers
 
 
 def _argument_values(optimizer) -> list[float]:
@@ -170,19 +200,36 @@ def update_diagnosis(model, loss_fn, x, y, w, index: int | None = None) -> Diagn
     if optimizer is None or loss_fn is None:
         return None
     variables, grads, finite, moved = _gradients(model, loss_fn, x, y, w)
-    if not finite or any(g is not None and not bool(np.all(np.isfinite(np.asarray(
-            tf.cast(tf.convert_to_tensor(g), tf.float32))))) for g in grads):
+    if not finite or not _finite_gradients(grads):
         return None
     if not optimizer.built:
         optimizer.build(variables)
-    new, applied, clone, slots = _apply_on_copies(optimizer, variables, grads)
+    found = _update_diagnosis(model, optimizer, variables, grads, index)
+    if found is None and moved:
+        return _moving_diagnosis(model, moved, index)
+    return found
+
+
+def _finite_gradients(grads) -> bool:
+    return all(g is None or bool(np.all(np.isfinite(np.asarray(tf.cast(tf.convert_to_tensor(g), tf.float32)))))
+               for g in grads)
+
+
+def _writes_nonfinite(optimizer, variables, grads, values=None, state=None) -> bool:
+    """Whether ``optimizer``'s update from ``grads`` writes a non-finite value (on copies)."""
+    new, _, _, slots = _apply_on_copies(optimizer, variables, grads, values=values, state=state)
+    return any(nonfinite_mask(v).any() for v in new) or any(nonfinite_mask(v).any() for v in slots.values()
+                                                               if v.dtype.kind == "f")
+
+
+def _update_diagnosis(model, optimizer, variables, grads, index, values=None, state=None) -> Diagnosis | None:
+    """The diagnosis of ``optimizer``'s update from these finite gradients, if it writes a non-finite value."""
+    new, applied, clone, slots = _apply_on_copies(optimizer, variables, grads, values=values, state=state)
     bad = next((i for i, value in enumerate(new) if nonfinite_mask(value).any()), None)
     bad_slots = [s for s in optimizer.variables if id(s) in slots and nonfinite_mask(slots[id(s)]).any()]
     if bad is None and not bad_slots:
-        if moved:
-            return _moving_diagnosis(model, moved, index)
         return None
-    filename, lineno = _creation_line(optimizer)
+    filename, lineno = _creation_line(optimizer, model)
     name = type(optimizer).__name__
     if bad is not None:
         variable, value = applied[bad], new[bad]
@@ -195,7 +242,7 @@ def update_diagnosis(model, loss_fn, x, y, w, index: int | None = None) -> Diagn
     summary = f"{name}'s update writes {count} non-finite of {value.size} entries of {path} ({dtype})"
     remedy = verified = None
     try:
-        wide, _, _, _ = _apply_on_copies(optimizer, variables, grads, dtype="float64")
+        wide, _, _, _ = _apply_on_copies(optimizer, variables, grads, dtype="float64", values=values, state=state)
         wide_value = wide[bad] if bad is not None else None
     except Exception:  # noqa: BLE001 - a state that cannot be widened: no float64 comparison
         wide_value = None
@@ -207,16 +254,18 @@ def update_diagnosis(model, loss_fn, x, y, w, index: int | None = None) -> Diagn
             summary += f"; in float64 the update is finite, up to {largest:.3g}, beyond {dtype}'s largest {limit:.6g}"
         elif isinstance(epsilon, (int, float)) and np.asarray(epsilon, _np_dtype(variable.dtype)) == 0:
             zero = _zero_slot(optimizer, variable, slots, mask)
-            summary += (f"; epsilon={epsilon:g} is 0 in {dtype}" + (f", and {zero} is exactly 0 at "
+            summary += (f"; epsilon={epsilon:g} is 0 in {dtype}" + (f", and {zero} exactly 0 at "
                         f"{'those entries' if count > 1 else 'that entry'}" if zero else "")
                         + f": a division by 0 ({'0/0' if np.isnan(value[mask]).any() else 'x/0'}) that "
                         f"float64 does not make (the update is finite there)")
-            remedy, verified = _epsilon_remedy(optimizer, variables, grads, variable.dtype, filename, lineno)
+            remedy, verified = _epsilon_remedy(optimizer, variables, grads, variable.dtype, filename, lineno,
+                                               values, state)
     elif wide_value is not None:
         summary += "; in float64 the update is non-finite too"
     if remedy is None and isinstance(epsilon, (int, float)) and dtype in ("float16", "bfloat16") and (
             np.asarray(epsilon, _np_dtype(variable.dtype)) == 0):
-        remedy, verified = _epsilon_remedy(optimizer, variables, grads, variable.dtype, filename, lineno)
+        remedy, verified = _epsilon_remedy(optimizer, variables, grads, variable.dtype, filename, lineno,
+                                           values, state)
     cause = CAUSES[CAUSE]
     return Diagnosis(
         batch=index, phase="update", op=f"{name}.apply", forward_op=None, layer=_owner_path(model, variable),
@@ -228,7 +277,8 @@ def update_diagnosis(model, loss_fn, x, y, w, index: int | None = None) -> Diagn
 
 
 def _zero_slot(optimizer, variable, slots, mask) -> str | None:
-    """The path of a slot of ``optimizer`` for ``variable`` that is exactly 0 where the update is non-finite."""
+    """The paths of ``optimizer``'s slots for ``variable`` that are exactly 0 where the update is non-finite."""
+    found = []
     for slot in optimizer.variables:
         value = slots.get(id(slot))
         if value is None or value.shape != mask.shape or slot is variable:
@@ -237,11 +287,13 @@ def _zero_slot(optimizer, variable, slots, mask) -> str | None:
         if _variable_path(variable).replace("/", "_") not in path.replace("/", "_"):
             continue
         if np.all(value[mask] == 0):
-            return path
-    return None
+            found.append(path)
+    if not found:
+        return None
+    return " and ".join(found) + (" are" if len(found) > 1 else " is")
 
 
-def _epsilon_remedy(optimizer, variables, grads, dtype, filename, lineno):
+def _epsilon_remedy(optimizer, variables, grads, dtype, filename, lineno, values=None, state=None):
     """The optimizer with an ``epsilon`` that ``dtype`` holds, checked on copies: ``(remedy, verified)``."""
     epsilon = _safe_epsilon(_np_dtype(dtype))
     call = _call(optimizer, epsilon=epsilon)
@@ -250,7 +302,8 @@ def _epsilon_remedy(optimizer, variables, grads, dtype, filename, lineno):
     where = f" (the optimizer made at {os.path.basename(filename)}:{lineno})" if filename else ""
     remedy = f"{call}{where}: an epsilon that {tf.as_dtype(dtype).name} holds"
     try:
-        new, _, clone, _ = _apply_on_copies(optimizer, variables, grads, epsilon=epsilon)
+        new, _, clone, _ = _apply_on_copies(optimizer, variables, grads, values=values, state=state,
+                                            epsilon=epsilon)
         state = [np.asarray(v.numpy()) for v in clone.variables]
         finite = all(np.all(np.isfinite(v)) for v in new) and all(
             np.all(np.isfinite(v)) for v in state if v.dtype.kind == "f")
@@ -282,6 +335,50 @@ def _moving_diagnosis(model, moved, index) -> Diagnosis:
         cause=CAUSE, fix=cause.fix, section=cause.section,
         symptom="finite loss and gradients, non-finite update",
     )
+
+
+def own_step_update(model, x, y, w, index: int | None = None) -> Diagnosis | None:
+    """For a model's own ``train_step``: the first optimizer ``apply`` of the step whose gradients
+    are finite and whose update (on copies) is not, diagnosed; else None. The step runs eagerly
+    once, every variable it may write put back afterwards."""
+    applies = []
+
+    def recording(optimizer, apply):
+        def recorded(grads, trainable_variables=None):
+            variables = list(trainable_variables if trainable_variables is not None else [])
+            grads = list(grads)
+            if variables and not applies:  # the first apply with a non-finite update is enough
+                applies.append((optimizer, variables, [None if g is None else tf.identity(g) for g in grads],
+                                [np.asarray(v.numpy()) for v in variables],
+                                [np.asarray(v.numpy()) for v in optimizer.variables] if optimizer.built else None))
+                if not _finite_gradients(grads) or not _writes_nonfinite(optimizer, variables, grads,
+                                                                         applies[-1][3], applies[-1][4]):
+                    applies.pop()
+            return apply(grads, trainable_variables)
+        return recorded
+
+    optimizers = [o for o in optimizers_of(model) if not isinstance(o, keras.optimizers.LossScaleOptimizer)]
+    saved = snapshot(step_variables(model))
+    patched = []
+    try:
+        for optimizer in optimizers:
+            patched.append((optimizer, "apply" in vars(optimizer), vars(optimizer).get("apply")))
+            optimizer.apply = recording(optimizer, optimizer.apply)
+        model.train_step(pack(x, y, w))
+    finally:
+        for optimizer, had, previous in patched:
+            if had:
+                optimizer.apply = previous
+            else:
+                try:
+                    del optimizer.apply
+                except AttributeError:
+                    pass
+        restore(saved)
+    if not applies:
+        return None
+    optimizer, variables, grads, values, state = applies[0]
+    return _update_diagnosis(model, optimizer, variables, grads, index, values, state)
 
 
 def find_update(model, data, loss_fn, y, sample_weight, batch_size, max_batches, skip) -> Diagnosis | None:
