@@ -10,8 +10,7 @@ notebooks and every block of the markdown pages of ``_toc.yml``, and the Chinese
 separators (``2,100,225``) or an exponent (``1e-7``), that is not:
 
 - a whole number below 10 without a unit after it (``two layers`` and ``2 layers`` say the same, and
-  neither is measured; ``3 ms``, ``8 %``, ``4 times``, ``5 M`` are checked);
-
+  neither is measured; ``3 ms``, ``8 %``, ``4 times``, ``5 M``, ``2 倍`` are checked);
 - inside inline code, a fenced block, math (``$...$``, ``$$...$$``), an HTML tag, a link's target or a
   role's target (what ``_prose`` of ``test_translations`` removes), or part of a word or identifier
   (``float32``, ``H100``, ``AVX-512``, ``log1p``, ``10¹¹``);
@@ -43,12 +42,16 @@ separators (``2,100,225``) or an exponent (``1e-7``), that is not:
    inline code (``benchmarks/scale.py``, ``companion/training/step.py``: the number must be in that file,
    as a literal; with ``%``, times 100).
 
-**A verdict** is *not resolved* (无法判定), or *met* / *missed* in italics or in a sentence about a target
-(达到 / 未达到 next to 目标: 目标已达到, 未达到目标); a Chinese term right after the English verdict it translates (``*met*，达到``) is the
-same verdict. A verdict in quotation marks (``"not resolved"``, “无法判定”) names the word, and one after
-*whether* (是否) asks it: neither is given, and both are left alone. Each verdict must agree with the shipped results: among the
-numbers of its stretch of the sentence (from the verdict before it to the verdict after it), one is the
-median (``ratio``) of a shipped result's row, as the page writes it, whose ``verdict`` is that word.
+**A verdict** is *not resolved* (无法判定), or *met* / *missed* in italics or in a sentence about a
+target (达到 / 未达到 next to 目标: 目标已达到, 未达到目标); a Chinese term right after the English verdict
+it translates (``*met*，达到``) is that same verdict. A verdict in quotation marks (``"not resolved"``,
+“无法判定”) names the word, and one after *whether* (是否) asks it: neither is given, and both are left
+alone. Each verdict must agree with the shipped results: among the numbers of its stretch of the
+sentence (from the verdict before it to the verdict after it), one is the median (``ratio``) of a
+shipped result's row, as the page writes it, whose ``verdict`` is that word.
+
+The Chinese units follow the same rules (their citations are the English's markup, which a translation
+keeps); numbers that only the Chinese states are checked as well.
 """
 
 from __future__ import annotations
