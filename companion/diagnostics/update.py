@@ -114,13 +114,7 @@ def _creation_line(optimizer, model=None) -> tuple[str | None, int | None]:
     arguments' values and nothing else; among equals, the one nearest a line that
     makes ``model`` (its class called, or one of its layers' names as a string).
     """
-    files = []
-    frame = inspect.currentframe()
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if not is_library_file(name) and os.path.exists(name) and name not in files:
-            files.append(name)
-        frame = frame.f_back
+    files = _user_files()
     cls = re.escape(type(optimizer).__name__)
     values = _argument_values(optimizer)
     markers = _model_markers(model)
@@ -206,7 +200,7 @@ def update_diagnosis(model, loss_fn, x, y, w, index: int | None = None) -> Diagn
         optimizer.build(variables)
     found = _update_diagnosis(model, optimizer, variables, grads, index)
     if found is None and moved:
-        return _moving_diagnosis(model, moved, index)
+        return _moving_diagnosis(model, moved, index, x, y, w)
     return found
 
 
@@ -321,20 +315,115 @@ def _owner_path(model, variable) -> str | None:
     return head or None
 
 
-def _moving_diagnosis(model, moved, index) -> Diagnosis:
-    """A non-trainable variable (a moving statistic) the forward pass made non-finite."""
+def _owner_layer(model, variable):
+    for layer in _internal.all_layers(model)[1:]:
+        if any(v is variable for v in getattr(layer, "_trainable_variables", []) + getattr(
+                layer, "_non_trainable_variables", [])):
+            return layer
+    return None
+
+
+def _float32_copy_run(model, layer, x, y=None, w=None):
+    """The failing step run on a copy of ``model`` with ``layer`` in float32.
+
+    With the compiled loss and targets, a whole training step (``train_on_batch``, the
+    optimizer's state copied in), else the training forward pass. Returns the values of
+    the layer's copy's variables and of every variable the step wrote; raises where the
+    model cannot be cloned (a subclassed model).
+    """
+    def clone(each):
+        config = each.get_config()
+        if each is layer:
+            config = {**config, "dtype": "float32"}
+        return each.__class__.from_config(config)
+
+    copy = keras.models.clone_model(model, clone_function=clone)
+    if len(copy.weights) != len(model.weights):
+        raise ValueError("the copy has other weights")
+    for target, source in zip(copy.weights, model.weights):
+        target.assign(np.asarray(source.numpy()).astype(tf.as_dtype(target.dtype).as_numpy_dtype))
+    copied = next(c for c, o in zip(_internal.all_layers(copy), _internal.all_layers(model)) if o is layer)
+    optimizer, _ = _optimizer(model)
+    if y is not None and optimizer is not None and getattr(model, "loss", None) is not None:
+        # the whole step: the forward pass's writes and the update, the optimizer's state copied in
+        copy.compile(optimizer=type(optimizer).from_config(optimizer.get_config()), loss=model.loss)
+        copy.optimizer.build(copy.trainable_variables)
+        if optimizer.built and len(copy.optimizer.variables) == len(optimizer.variables):
+            for target, source in zip(copy.optimizer.variables, optimizer.variables):
+                if tuple(target.shape) == tuple(source.shape):
+                    target.assign(np.asarray(source.numpy()).astype(tf.as_dtype(target.dtype).as_numpy_dtype))
+        copy.train_on_batch(x, y, sample_weight=w)
+        written = list(copy.variables) + list(copy.optimizer.variables)
+    else:
+        copy(x, training=True)
+        written = list(copied.variables)
+    return [np.asarray(v.numpy()) for v in copied.variables], [np.asarray(v.numpy()) for v in written]
+
+
+def _layer_line(layer, model) -> tuple[str | None, int | None]:
+    """The line of user code that made ``layer``: its class called with its name, else its class called."""
+    files = _user_files()
+    cls = re.escape(type(layer).__name__)
+    name = re.escape(getattr(layer, "name", "") or "\0")
+    for pattern in (rf"\b{cls}\(.*name\s*=\s*['\"]{name}['\"]", rf"\b{cls}\("):
+        for filename in files:
+            for lineno, line in enumerate(linecache.getlines(filename), start=1):
+                if not line.lstrip().startswith("#") and re.search(pattern, line):
+                    return filename, lineno
+    return None, None
+
+
+def _moving_diagnosis(model, moved, index, x, y=None, w=None) -> Diagnosis:
+    """A non-trainable variable (a moving statistic) that the training forward pass made non-finite."""
     variable, value = moved[0]
     path = _variable_path(variable)
     dtype = tf.as_dtype(variable.dtype).name
-    summary = (f"the training forward pass writes {int(nonfinite_mask(value).sum())} non-finite of "
-               f"{value.size} entries of {path} ({dtype}), a non-trainable variable (a moving statistic)")
+    mask = nonfinite_mask(value)
+    layer = _owner_layer(model, variable)
+    kind = type(layer).__name__ if layer is not None else "a layer"
+    summary = (f"{kind}'s training forward pass writes {int(mask.sum())} non-finite of {value.size} entries of "
+               f"{path} ({dtype}), a non-trainable variable (a moving statistic)")
+    remedy = verified = filename = lineno = None
+    if layer is not None:
+        filename, lineno = _layer_line(layer, model)
+        where = f"at {os.path.basename(filename)}:{lineno}: " if filename else ""
+        remedy = (f"{where}{type(layer).__name__}(..., dtype=\"float32\") for layer {layer.name!r}: its "
+                  f"statistics and variables in float32")
+        try:
+            values, written = _float32_copy_run(model, layer, x, y, w)
+            position = next(i for i, v in enumerate(layer.variables) if v is variable)
+            wide = values[position]
+            finite = all(np.all(np.isfinite(v)) for v in written if v.dtype.kind == "f")
+            if dtype in ("float16", "bfloat16") and np.all(np.isfinite(wide[mask])):
+                largest = float(np.max(np.abs(wide[mask])))
+                limit = float(np.finfo(_np_dtype(variable.dtype)).max) if dtype != "bfloat16" else 3.39e38
+                if largest > limit:
+                    summary += (f"; in float32 it is finite, up to {largest:.3g}, beyond {dtype}'s largest "
+                                f"{limit:.6g}: the statistic overflows when it is stored")
+            verified = (f"verified: the failing step, run on a copy of the model with {layer.name!r} in "
+                        f"float32, writes every one of its {len(written)} variables finite" if finite else
+                        f"not verified: with {layer.name!r} in float32 a variable is still non-finite")
+        except Exception as error:  # noqa: BLE001 - a model that cannot be copied: said, not raised
+            verified = f"not verified: the model could not be copied with the layer in float32 ({type(error).__name__})"
     cause = CAUSES[CAUSE]
     return Diagnosis(
-        batch=index, phase="update", op=None, forward_op=None, layer=_owner_path(model, variable), source=None,
+        batch=index, phase="update", op=None, forward_op=None, layer=_owner_path(model, variable),
+        source=f"{filename}:{lineno}" if filename else None,
         variables=tuple(_variable_path(v) for v, _ in moved), dtype=dtype, inputs_summary=summary,
-        cause=CAUSE, fix=cause.fix, section=cause.section,
-        symptom="finite loss and gradients, non-finite update",
+        cause=CAUSE, fix=cause.fix, section=cause.section, symptom="finite loss and gradients, non-finite update",
+        code=source_text(filename, lineno), remedy=remedy, verified=verified,
     )
+
+
+def _user_files() -> list[str]:
+    files = []
+    frame = inspect.currentframe()
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not is_library_file(name) and os.path.exists(name) and name not in files:
+            files.append(name)
+        frame = frame.f_back
+    return files
 
 
 def own_step_update(model, x, y, w, index: int | None = None) -> Diagnosis | None:

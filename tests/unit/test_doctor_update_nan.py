@@ -189,3 +189,37 @@ def test_a_float32_model_with_the_same_optimizer_is_not_diagnosed():
     x = np.random.default_rng(0).normal(size=(32, 6)).astype("float32")
     x[:, 4] = 0.0
     assert diagnose(model, (x, np.zeros((32, 1), "float32"))) is None
+
+
+def _keras_9582(bn_dtype="float16"):
+    """keras-team/keras#9582: BatchNormalization with the float type set to float16; NaN after the first batch."""
+    keras.utils.set_random_seed(6)
+    model = keras.Sequential([
+        keras.Input((4,)),
+        keras.layers.Dense(8, dtype="float16", name="conv"),
+        keras.layers.BatchNormalization(dtype=bn_dtype, name="bn"),  # report-line
+        keras.layers.Dense(1, activation="sigmoid", dtype="float16", name="out"),
+    ])
+    model.compile(keras.optimizers.SGD(1e-3), "binary_crossentropy")
+    x = (np.random.default_rng(9).normal(size=(32, 4)) * 4000).astype("float32")  # raw pixel-scale features
+    return model, x, (np.random.default_rng(10).random((32, 1)) > 0.5).astype("float32")
+
+
+def test_a_moving_variance_that_overflows_float16_is_named_with_its_layer_and_a_float32_remedy(capsys):
+    model, x, y = _keras_9582()
+    _fit(model, x, y)
+    assert not _all_finite(model), "the rebuild must fail as reported"
+    model, x, y = _keras_9582()
+    doctor = NaNDoctor()
+    _fit(model, x, y, [doctor])
+    d = doctor.diagnosis
+    assert d is not None, capsys.readouterr().out
+    assert d.cause == "nonfinite_update" and d.phase == "update" and d.layer.endswith("/bn")
+    assert d.variables[0].endswith("bn/moving_variance") and d.dtype == "float16"
+    assert "beyond float16's largest 65504" in d.inputs_summary, d.inputs_summary
+    assert d.source.endswith(f"test_doctor_update_nan.py:{_line(_keras_9582, 'report-line')}"), d.source
+    assert 'BatchNormalization(..., dtype="float32") for layer \'bn\'' in d.remedy, d.remedy
+    assert d.verified.startswith("verified:"), d.verified
+    model, x, y = _keras_9582(bn_dtype="float32")  # the remedy, as printed: that layer in float32
+    history = _fit(model, x, y)
+    assert _all_finite(model) and np.all(np.isfinite(history.history["loss"]))
