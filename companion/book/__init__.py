@@ -17,6 +17,8 @@ Its modules:
 * ``cases``: the checklist's cases, one naive computation and its fix per row;
 * ``reports``: public NaN reports rebuilt as runnable models, for the doctor's chapter;
 * ``debugging``: TensorFlow's and Keras' own NaN tools run on those reports, beside the doctor;
+* ``field``: four more rebuilt reports, of the kinds issue 42 added to the doctor;
+* ``mechanisms``: the checklist's examples of the mechanisms the survey found recurring;
 * ``accuracy``: errors in ulp against an mpmath reference (needs mpmath);
 * ``benchmark_results``: the measured cost of the fixes, as the performance chapter shows it;
 * ``data``: package data: the survey's CSV and the multi-worker chapter's worker script.
@@ -32,6 +34,8 @@ _SUBMODULES = (
     "benchmark_results",
     "cases",
     "debugging",
+    "field",
+    "mechanisms",
     "models",
     "notebook",
     "reports",

@@ -55,6 +55,14 @@ PATTERNS: dict[str, str] = {
     "data": "NaN in the data",
     "label_out_of_range": "a class label outside [0, num_classes)",
     "compiled_only": "only in compiled code",
+    "init_log_prior": "a bias set to the log of a zero prior",
+    "data_dependent_init": "a data-dependent initialisation over a spread of 0",
+    "lr_schedule": "a learning-rate schedule (warmup, decay, its division)",
+    "bootstrapped_targets": "targets bootstrapped from the model (TD, Q-learning)",
+    "class_count_weights": "class weights n/0 from class counts",
+    "special_function_overflow": "a special function that overflows (Gamma, Bessel)",
+    "cholesky_float32": "Cholesky of a matrix that is not positive definite in float32",
+    "sampler_endpoint": "a sampler that returns its interval's end (0 or 1)",
     "unresolved": "not resolved in the thread",
 }
 
@@ -101,7 +109,7 @@ def load_reports(path: str | pathlib.Path | None = None) -> tuple[Report, ...]:
 
     Example:
         >>> reports = load_reports()
-        >>> len(reports) >= 150
+        >>> len(reports) >= 250
         True
         >>> sorted({r.kind for r in reports})
         ['blog', 'forum', 'issue', 'qa']

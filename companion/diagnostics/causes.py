@@ -59,7 +59,7 @@ CAUSES: dict[str, Cause] = {
         "make the initial value finite where it is set: np.log(np.maximum(prior, eps)) for "
         "a log prior, tf.math.divide_no_nan for a spread that can be 0, and check it with "
         "np.isfinite (companion.training.train refuses such a model)",
-        f"{_CHECKLIST}#a-nan-loss-from-the-first-step-the-data",
+        f"{_CHECKLIST}#weights-that-are-not-finite-before-the-first-step",
     ),
     "log_of_zero": Cause(
         "log of 0: -Inf forward, and 1/0 in its gradient (often cross-entropy on "

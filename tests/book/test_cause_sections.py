@@ -44,8 +44,6 @@ SHOWS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 #: Causes whose example no chapter shows yet (a chapter's notebook has to gain it).
 MISSING_EXAMPLE = {
     "not_reproducible": "no chapter shows a NaN that does not reproduce on a re-run",
-    "nonfinite_init": "the checklist's first-step section shows 0/0 in the data's standardisation, not yet "
-    "a weight initialised to it (issue 42, item 8)",
 }
 
 
