@@ -13,6 +13,7 @@ Its modules:
 * ``targets``: the families of target functions g(x) that ParameterNet fits;
 * ``reproductions``: the seeds' failing code, faithfully, so chapters and tests can show it;
 * ``runs``: short instrumented training runs (first non-finite step, learning-rate sweeps);
+* ``recovery``: the training-loop chapter's diverging and spiky runs, and their plot;
 * ``survey``: the survey of public NaN reports behind the checklist chapter;
 * ``cases``: the checklist's cases, one naive computation and its fix per row;
 * ``reports``: public NaN reports rebuilt as runnable models, for the doctor's chapter;
@@ -39,6 +40,7 @@ _SUBMODULES = (
     "models",
     "notebook",
     "reports",
+    "recovery",
     "reproductions",
     "runs",
     "survey",

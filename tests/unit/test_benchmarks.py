@@ -34,11 +34,13 @@ PRINTED_RATIOS = {
     "cold_start.py": (r"ratio (\d+\.\d+) \(quartiles", 2),
     # 1 model x 3 variants x (steady time, extra memory)
     "scale.py": (r"ratio (-?\d+\.\d+) \(quartiles", 6),
+    # 1 model x (steady time, extra memory)
+    "recovery.py": (r"ratio (-?\d+\.\d+) \(quartiles", 2),
 }
 
 #: Benchmarks some of whose ratios are differences, 0 or below when there is no cost:
-#: scale.py's extra memory over fit's, per byte of weights.
-SIGNED = {"scale.py"}
+#: scale.py's extra memory over fit's, per byte of weights; recovery.py's over train()'s.
+SIGNED = {"scale.py", "recovery.py"}
 
 
 def test_every_benchmark_script_is_covered():

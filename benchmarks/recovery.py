@@ -1,0 +1,222 @@
+"""What do rollback and loss-spike skipping cost a run that needs neither?
+
+``train(..., on_nonfinite="rollback", skip_loss_spikes=6)`` against ``train()`` with its
+defaults, on the same fresh model, seeded data with no NaN and no spike (Adam, batch 64,
+``verbose=0``, Keras' defaults otherwise), side by side in one run:
+
+* ``train``: ``companion.training.train(model, x, y, ...)``, the reference;
+* ``recover``: the same call with ``on_nonfinite="rollback", skip_loss_spikes=6``: the
+  running mean and variance of the loss and the spike test in every step, the host's count
+  of non-finite runs after every host call, and the snapshot of the state (weights and
+  optimizer state, on the host) at every epoch's start and every
+  ``companion.training.recovery.SNAPSHOT_EVERY_STEPS`` steps.
+
+Every run is a fresh Python process (this script with a hidden ``--child`` argument, which
+trains one fresh model once and prints one JSON line), the models and data of
+``benchmarks/scale.py``. Two runs per measurement, of 1 and of 5 epochs, give the steady
+time per epoch, (T(5) - T(1)) / 4: compiling, tracing and the first steps cancel. Memory
+is the growth of the process's peak resident set (``ru_maxrss``) over the call of 5
+epochs; ``recover``'s *extra* memory is its growth minus ``train``'s in the same round, as
+a multiple of the bytes of the state a rollback restores (every variable of the model and
+of the optimizer: for Adam, the weights and two moments). The variants alternate within a
+round (the order rotates from round to round), and each ratio is the median over rounds of
+the ratio (or difference) of the runs of the same round, with its quartiles.
+
+Targets (issue 46): ``recover`` / ``train`` <= 1.05 in steady state; its memory one snapshot
+of the state it restores: extra memory <= 1 x the state's bytes. Run with::
+
+    python benchmarks/recovery.py [--quick] [--rounds N] [--models NAME,...] [--json PATH]
+
+``--json auto`` writes into ``companion/book/benchmark_results/`` under the default name.
+``--quick`` (the smaller MLP, 1 round, a few batches an epoch: 4 processes) only checks
+that the benchmark runs: its numbers are not the full run's. The full run (2 models, 3
+rounds, 24 processes) takes about 6 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from scale import BATCH, EPOCHS, RETRIES, build, make_data, quartiles, verdict  # noqa: E402
+
+VARIANTS = ("train", "recover")
+NAMES = {"train": "train()", "recover": "train(rollback, spikes)"}
+OPTIONS = {"train": {}, "recover": {"on_nonfinite": "rollback", "skip_loss_spikes": 6}}
+TIME_TARGET = 1.05  # recover / train, steady time
+MEMORY_TARGET = 1.0  # recover's extra peak memory / the bytes of the state it restores
+
+#: name: (description, batches per epoch in the full run): a model whose step is short
+#: (where a per-step cost shows) and one whose state is large (where the snapshot shows).
+MODELS = {
+    "mlp-0.4m": ("compute-bound MLP 256-512-512-1", 300),
+    "mlp-8m": ("MLP 2048-2048-2048-1", 20),
+}
+QUICK_BATCHES = {"mlp-0.4m": 20}
+
+
+# --- the child: one fresh model, one call, one JSON line ------------------------------------
+
+
+def child(name: str, variant: str, epochs: int, batches: int) -> dict:
+    """Train a fresh ``name`` model for ``epochs`` epochs of ``batches`` batches with ``variant``."""
+    import resource
+
+    import keras
+    import numpy as np
+
+    from companion.training import train
+
+    model, kind = build(name)
+    x, y = make_data(name, batches * BATCH)
+    optimizer = keras.optimizers.Adam()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True) if kind == "classes" else "mse"
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    wall, cpu = time.perf_counter(), time.process_time()
+    history = train(model, x, y, batch_size=BATCH, epochs=epochs, loss=loss, optimizer=optimizer, verbose=0,
+                    **OPTIONS[variant])
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    rate = id(getattr(optimizer, "_learning_rate", None))
+    state = [*model.variables, *(v for v in optimizer.variables if id(v) != rate)]
+    state_bytes = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in state)
+    return {
+        "model": name, "variant": variant, "epochs": epochs, "batches": batches,
+        "seconds": wall, "cpu_seconds": cpu, "growth_mib": (after - before) / 1024,
+        "state_bytes": state_bytes, "params": int(model.count_params()),
+        "completed": len(history.epoch_loss) == epochs and bool(np.isfinite(history.epoch_loss).all())
+        and not history.skipped and not history.rollbacks,
+    }
+
+
+# --- the parent: rounds of fresh processes --------------------------------------------------
+
+
+def run_child(name: str, variant: str, epochs: int, batches: int) -> dict:
+    import subprocess
+
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    completed = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--child", name, variant, str(epochs), str(batches)],
+        capture_output=True, text=True, env=env,
+    )
+    lines = [line for line in completed.stdout.splitlines() if line.startswith("{")]
+    if completed.returncode != 0 or not lines:
+        raise RuntimeError(f"the run of {name}, {variant}, {epochs} epochs failed "
+                           f"(exit {completed.returncode}):\n{completed.stderr[-4000:]}")
+    result = json.loads(lines[-1])
+    if not result["completed"]:
+        raise RuntimeError(f"the run of {name}, {variant}, {epochs} epochs skipped or rolled back a step, or did "
+                           f"not end all its epochs with a finite loss: it is not the clean run measured here")
+    return result
+
+
+def measure(name: str, batches: int, rounds: int) -> dict:
+    """{variant: [per-round {"t1", "t5", "steady", "cpu_steady", "growth_mib"}]} and the state's size."""
+    runs = {variant: [] for variant in VARIANTS}
+    size = None
+    for r in range(rounds):
+        order = VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)]
+        for variant in order:
+            for attempt in range(RETRIES + 1):
+                timed = {}
+                for epochs in (EPOCHS if (r + VARIANTS.index(variant)) % 2 == 0 else EPOCHS[::-1]):
+                    print(f"  {name}, round {r + 1}/{rounds}: {NAMES[variant]}, {epochs} epoch{'s' * (epochs > 1)}"
+                          f" of {batches} batches" + (f" (again: {attempt + 1})" if attempt else ""),
+                          file=sys.stderr, flush=True)
+                    timed[epochs] = run_child(name, variant, epochs, batches)
+                short, long = timed[EPOCHS[0]], timed[EPOCHS[1]]
+                if long["seconds"] > short["seconds"] and long["cpu_seconds"] > short["cpu_seconds"]:
+                    break
+            else:
+                raise RuntimeError(f"{name}, {NAMES[variant]}: {EPOCHS[1]} epochs never took longer than "
+                                   f"{EPOCHS[0]}: give it more batches (--batches)")
+            span = EPOCHS[1] - EPOCHS[0]
+            size = size or {"params": long["params"], "state_bytes": long["state_bytes"]}
+            runs[variant].append({
+                "t1": short["seconds"], "t5": long["seconds"],
+                "steady": (long["seconds"] - short["seconds"]) / span,
+                "cpu_steady": (long["cpu_seconds"] - short["cpu_seconds"]) / span,
+                "growth_mib": long["growth_mib"],
+            })
+    return {"runs": runs, **size, "batches": batches}
+
+
+def summarise(name: str, measured: dict) -> list[dict]:
+    """recover's steady time / train's, and its extra peak memory / the state's bytes."""
+    runs, state_mib = measured["runs"], measured["state_bytes"] / 2**20
+    pairs = list(zip(runs["recover"], runs["train"]))
+    times = [v["steady"] / f["steady"] for v, f in pairs]
+    cpus = [v["cpu_steady"] / f["cpu_steady"] for v, f in pairs]
+    extras = [v["growth_mib"] - f["growth_mib"] for v, f in pairs]
+    q1, median, q3 = quartiles(times)
+    e1, extra, e3 = quartiles(extras)
+    common = dict(model=name, rounds=len(pairs), params=measured["params"], state_mib=round(state_mib, 3))
+    return [
+        dict(label=f"recovery, {name}: train(rollback, spikes) / train() (steady time)", ratio=round(median, 4),
+             q1=round(q1, 4), q3=round(q3, 4), target=TIME_TARGET, kind="time",
+             cpu_ratio=round(statistics.median(cpus), 4), **common),
+        dict(label=f"recovery, {name}: train(rollback, spikes) extra memory / state's bytes",
+             ratio=round(extra / state_mib, 4), q1=round(e1 / state_mib, 4), q3=round(e3 / state_mib, 4),
+             target=MEMORY_TARGET, kind="memory", extra_mib=round(extra, 2),
+             train_growth_mib=round(statistics.median(f["growth_mib"] for f in runs["train"]), 2), **common),
+    ]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{', '.join(QUICK_BATCHES)}, 1 round, few batches an epoch (a smoke test)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
+    parser.add_argument("--models", help=f"comma-separated, of {', '.join(MODELS)} (default: all)")
+    parser.add_argument("--batches", type=int, help="batches per epoch for every model (default: each model's own)")
+    parser.add_argument("--json", metavar="PATH", help="also write the ratios as JSON ('auto': the default name)")
+    parser.add_argument("--child", nargs=4, metavar=("MODEL", "VARIANT", "EPOCHS", "BATCHES"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        name, variant, epochs, batches = args.child
+        print(json.dumps(child(name, variant, int(epochs), int(batches))), flush=True)
+        return 0
+
+    names = args.models.split(",") if args.models else list(QUICK_BATCHES if args.quick else MODELS)
+    unknown = [name for name in names if name not in MODELS]
+    if unknown:
+        parser.error(f"unknown models {unknown}; there are {list(MODELS)}")
+    rounds = 1 if args.quick else args.rounds
+    print(f"{rounds} round{'s' * (rounds > 1)}, every run a fresh process and a fresh model; batch {BATCH}, "
+          f"steady time per epoch = (T({EPOCHS[1]} epochs) - T({EPOCHS[0]})) / {EPOCHS[1] - EPOCHS[0]}", flush=True)
+    results, rows = {}, []
+    started = time.perf_counter()
+    for name in names:
+        batches = args.batches or (QUICK_BATCHES.get(name, 4) if args.quick else MODELS[name][1])
+        results[name] = measure(name, batches, rounds)
+        model_rows = summarise(name, results[name])
+        rows += model_rows
+        print(f"\n{name}: {MODELS[name][0]}, {results[name]['params'] / 1e6:.2f} M weights, state "
+              f"{results[name]['state_bytes'] / 2**20:.1f} MiB, {batches} batches an epoch", flush=True)
+        for row in model_rows:
+            extra = f", {row['extra_mib']:+.1f} MiB" if row["kind"] == "memory" else f", CPU {row['cpu_ratio']:.2f}"
+            print(f"  {row['label']:<72} ratio {row['ratio']:.2f} (quartiles {row['q1']:.2f} to {row['q3']:.2f})"
+                  f"{extra}, target {row['target']}: {verdict(row['q1'], row['q3'], row['target'])}", flush=True)
+    print(f"\n{time.perf_counter() - started:.0f} s")
+    print("verdict: the median of the per-round ratios, with their quartiles (met: even the third quartile"
+          " is within the target)")
+    if args.json:
+        from _results import write_results
+
+        models = {name: {"description": MODELS[name][0], "params": r["params"], "state_bytes": r["state_bytes"],
+                         "batches": r["batches"], "batch_size": BATCH, "runs": r["runs"]}
+                  for name, r in results.items()}
+        write_results(args.json, "recovery", rows, extra={"models": models, "epochs": list(EPOCHS)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
