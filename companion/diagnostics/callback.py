@@ -17,7 +17,7 @@ from companion import _internal
 from companion.diagnostics.data import _unpack, batches
 from companion.diagnostics.diagnosis import Diagnosis, replace
 from companion.diagnostics.doctor import diagnose
-from companion.diagnostics.remedies import LOW_PRECISION, MAX_STEPS, Steps, verify
+from companion.diagnostics.remedies import LOW_PRECISION, MAX_STEPS, STEP_CAUSES, Steps, verify
 from companion.diagnostics.step import step_variables
 from companion.training.patches import ModelPatches, hold_until_fit_ends, restore_leftover
 from companion.training.records import APPLIED, LOSS
@@ -345,7 +345,7 @@ class NaNDoctor(keras.callbacks.Callback):
 
     def _verify_run(self, found: Diagnosis, data, kwargs, index: int) -> Diagnosis:
         """A divergence's remedy re-run over fit's steps from the earliest state kept."""
-        if found.cause != "divergence" or found.dtype in LOW_PRECISION:
+        if found.cause not in STEP_CAUSES or found.dtype in LOW_PRECISION:
             return found
         try:
             steps = self._steps_to(data, kwargs, index)

@@ -142,6 +142,29 @@ CAUSES: dict[str, Cause] = {
         "never repeats is skipped by companion.training.train",
         "book/closing/finding_your_own_nan#a-custom-train-step-a-checked-remedy-a-capsule",
     ),
+    "label_out_of_range": Cause(
+        "an integer class label outside [0, classes) in a sparse cross-entropy: run eagerly on a CPU "
+        "the op raises, compiled with XLA (or on a GPU) it returns NaN",
+        "labels from 0 to classes - 1: y - 1 for labels that start at 1, as many output units as the "
+        "largest label + 1, or a label to ignore given a sample weight of 0 (and any valid label)",
+        f"{_CHECKLIST}#a-nan-loss-from-the-first-step-the-data",
+    ),
+    "learning_rate": Cause(
+        "the learning rate at the failing step is 0 or below (a schedule past its end, a sign: every "
+        "step climbs the loss) or far above the rates before it (a schedule that grows): the weights "
+        "grew step after step until they overflowed",
+        "keep the schedule's rate in (0, its peak]: fix its arguments (decay_rate < 1, "
+        "end_learning_rate >= 0) or clip the value it returns with tf.clip_by_value; clipnorm "
+        "bounds each step",
+        f"{_CHECKLIST}#a-learning-rate-schedule-that-goes-below-zero",
+    ),
+    "bootstrapped_targets": Cause(
+        "targets computed from the model's own outputs (Q-learning and TD targets, "
+        "self-distillation) grew with those outputs step after step until they overflowed",
+        "bound each step: clipnorm in the optimizer (or a Huber loss); a target network updated "
+        "every N steps, rewards scaled to about 1 and a discount below 1",
+        f"{_CHECKLIST}#targets-bootstrapped-from-the-model-itself",
+    ),
     "nonfinite_update": Cause(
         "the loss and the gradients are finite, but the update writes NaN or Inf: optimizer "
         "arithmetic in a low precision (Adam's epsilon=1e-8 is 0 in float16, so a second "
@@ -360,6 +383,20 @@ def _division_by_zero(op: str, real: list, ins: list) -> str | None:
     return None
 
 
+def _labels_out_of_range(op: str, real: list, ins: list) -> str | None:
+    """Labels (input 2) outside ``[0, classes)``, ``classes`` the logits' (input 1) last dimension."""
+    if len(real) < 2 or real[0] is None or real[1] is None or not np.ndim(real[0]):
+        return None
+    classes = int(np.shape(real[0])[-1])
+    labels = real[1]
+    outside = (labels < 0) | (labels >= classes)
+    if not outside.any():
+        return None
+    shown = ", ".join(str(int(v)) for v in np.unique(labels[outside])[:5])
+    return (f"{_count(outside)} of {labels.size} labels of {op} are outside [0, {classes}) of the "
+            f"logits' {classes} classes ({shown}); the labels run from {int(labels.min())} to {int(labels.max())}")
+
+
 def _ops(*names: str) -> frozenset:
     return frozenset(names)
 
@@ -391,6 +428,7 @@ RULES: tuple[Rule, ...] = (
     Rule(_ops("Angle", "ComplexAbs"), "singular_derivative", _complex_at_zero, backward_only=True),
     Rule(_ops("EuclideanNorm"), "singular_derivative", _norm_of_zeros, backward_only=True),
     Rule(DIVISION_OPS, "division_by_zero", _division_by_zero),
+    Rule(_ops("SparseSoftmaxCrossEntropyWithLogits"), "label_out_of_range", _labels_out_of_range),
 )
 
 #: The causes no rule of RULES names, and the function that recognises each.
@@ -407,6 +445,8 @@ RECOGNISED_ELSEWHERE: dict[str, str] = {
     "not_reproducible": "companion.diagnostics.doctor (the step is finite when run again)",
     "nonfinite_update": "companion.diagnostics.update (the update, applied on copies, from finite gradients)",
     "unclassified": "classify (no rule and no output cause)",
+    "learning_rate": "rate_cause (the rate at the failing step and the schedule's rates before it)",
+    "bootstrapped_targets": "bootstrapped (the targets at the failing step against the model's own outputs)",
 }
 
 
@@ -570,10 +610,106 @@ def _row_summary(op: str, array, output) -> str:
     return ""
 
 
+#: A noisy run "grew" when the median of its last tenth of losses is this many times the
+#: median of its first tenth (a loop that bootstraps its targets, a rate too large for a
+#: noisy loss: no three losses in a row rise, and the run still climbs by orders).
+TREND_GROWTH = 100.0
+
+
 def grew(losses: Sequence[float]) -> bool:
-    """Whether finite losses grew step after step (by over 10x in all) before the end."""
+    """Whether finite losses grew before the end: step after step, or by orders over the run.
+
+    Step after step: the last three rose, the last over 10 times the smallest. Over the
+    run (at least 20 losses, noisy as reinforcement learning's are): the median of the
+    last tenth is :data:`TREND_GROWTH` times the median of the first tenth.
+    """
     finite = [float(v) for v in losses if np.isfinite(v)]
     if len(finite) < 3:
         return False
     tail = finite[-3:]
-    return tail[0] <= tail[1] <= tail[2] and tail[2] > 10 * max(min(finite), np.finfo(np.float32).tiny)
+    tiny = np.finfo(np.float32).tiny
+    if tail[0] <= tail[1] <= tail[2] and tail[2] > 10 * max(min(finite), tiny):
+        return True
+    if len(finite) >= 20:
+        tenth = max(2, len(finite) // 10)
+        first, last = float(np.median(np.abs(finite[:tenth]))), float(np.median(np.abs(finite[-tenth:])))
+        return last > TREND_GROWTH * max(first, tiny)
+    return False
+
+
+# --- causes read from the run: the learning rate, targets made from the model's outputs -----
+
+#: A schedule "grew" when its rate at the failing step is this many times the median of
+#: its positive rates over the steps before it (a warmup to a peak is about 2 times).
+RATE_GROWTH = 10.0
+
+#: Causes a learning rate or bootstrapped targets can lie behind: values that overflowed.
+GROWTH_CAUSES = frozenset({"divergence", "overflow", "inf_arithmetic", "nonfinite_weights", "unclassified",
+                           "domain_edge"})
+
+
+def rate_cause(rates: Sequence[float]) -> str | None:
+    """What the learning rates of the steps up to the failing one (``rates[-1]``) did wrong, or ``None``.
+
+    The rate at the failing step is 0 or below (gradient descent then climbs the loss,
+    or stands still), or it is :data:`RATE_GROWTH` times the median of the positive
+    rates before it and still growing (a schedule that explodes: ``decay_rate`` above 1).
+    """
+    rates = [float(r) for r in rates]
+    if not rates or not np.isfinite(rates[-1]):
+        return None if not rates else f"the learning rate at the failing step is {rates[-1]}"
+    last = rates[-1]
+    if last <= 0:
+        first_bad = next(i for i, r in enumerate(rates) if r <= 0)
+        peak = max(rates)
+        since = (f"; it fell to 0 or below at step {first_bad} (peak {peak:.3g})"
+                 if len(rates) > 1 and peak > 0 else "")
+        return f"the learning rate at the failing step (step {len(rates) - 1}) is {last:.3g}{since}"
+    positive = [r for r in rates[:-1] if r > 0]
+    if len(positive) >= 2 and last >= RATE_GROWTH * float(np.median(positive)) and last >= rates[-2]:
+        return (f"the learning rate at the failing step (step {len(rates) - 1}) is {last:.3g}, "
+                f"{last / float(np.median(positive)):.3g} times the median of the steps before it "
+                f"({float(np.median(positive)):.3g}) and still growing")
+    half = len(rates) // 2
+    if len(rates) >= 8 and rates[half] > 0 and last >= 1.5 * rates[half] and all(
+            b >= a for a, b in zip(rates[half:], rates[half + 1:])):
+        return (f"the learning rate rose step after step to {last:.3g} at the failing step (step {len(rates) - 1}; "
+                f"{rates[half]:.3g} at step {half}): the weights grew as it rose (a warmup that does not end)")
+    return None
+
+
+def bootstrapped(y_true, y_pred) -> str | None:
+    """Whether targets were computed from the model's own outputs and grew with them, as a summary; else ``None``.
+
+    From the values at the failing step: the targets are as large as the model's own
+    outputs on the same inputs (the median ratio of their magnitudes within a factor of
+    2, or most entries equal, as Q-learning's targets copy every output but the action
+    taken) and beyond the fourth root of the dtype's largest value (1.8e9 for float32:
+    no scaled target is that large), or non-finite where the outputs are.
+    """
+    try:
+        y = np.asarray(y_true, np.float64)
+        p = np.asarray(y_pred, np.float64)
+    except (TypeError, ValueError):
+        return None
+    if y.shape != p.shape or not y.size:
+        return None
+    limit = float(np.finfo(np.float32).max) ** 0.25
+    both = np.isfinite(y) & np.isfinite(p)
+    same_bad = ~np.isfinite(y) & ~np.isfinite(p)
+    if both.any():
+        big = max(float(np.max(np.abs(y[both]))), float(np.max(np.abs(p[both]))))
+        equal = float(np.mean(np.isclose(y, p, rtol=1e-3) | same_bad))
+        nonzero = both & (p != 0) & (y != 0)
+        ratio = float(np.median(np.abs(y[nonzero] / p[nonzero]))) if nonzero.any() else float("nan")
+        alike = equal >= 0.5 or 0.5 <= ratio <= 2.0
+        if big >= limit and alike:
+            return (f"the targets reach {float(np.max(np.abs(y[np.isfinite(y)]))):.3g} and the model's own "
+                    f"outputs on the same inputs {float(np.max(np.abs(p[both]))):.3g}: "
+                    + (f"{equal:.0%} of the targets equal the outputs" if equal >= 0.5
+                       else f"the targets are {ratio:.3g} times the outputs")
+                    + " (targets made from the model's own outputs grow with them)")
+    if same_bad.any() and same_bad.sum() == (~np.isfinite(y)).sum():
+        return (f"{int(same_bad.sum())} of {y.size} targets are non-finite exactly where the model's own outputs "
+                "on the same inputs are (targets made from the model's own outputs)")
+    return None

@@ -39,7 +39,7 @@ from companion.diagnostics.sources import source_text
 from companion.diagnostics.state import restore, snapshot
 from companion.diagnostics.step import culprit, pack, step_variables, uses_own_step, written_variables
 from companion.diagnostics.step import logs_values as _logs_values
-from companion.diagnostics.trace import OpTracer, eager_trace, nonfinite_mask
+from companion.diagnostics.trace import OpTracer, eager_trace, nonfinite_mask, raised
 from companion.diagnostics.update import find_update, own_step_update
 
 __all__ = ["Diagnosis", "diagnose"]
@@ -330,13 +330,15 @@ def _diagnose_batch(model, loss_fn, index, x, y_true, weights, compiled, jit, fa
             tracer, loss_finite, bad_variables = rerun(model, loss_fn, x, y_true, weights, tracer)
     except Exception as error:  # an eager kernel that checks what the compiled one did not
         event = culprit(tracer)
+        at = "after" if event is not None else "at"
+        event = event or raised(error, tracer)  # the op whose eager kernel refused what XLA's made NaN of
         if event is None:
             return _rerun_failed(index, compiled, error)
         first = (str(error).strip().splitlines() or [""])[0][:200]
         return replace(
             from_event(event, tracer, index, tuple(compiled.get("variables", ())), None, event.backward,
                        losses_before),
-            mode_disagreement=f"the op-by-op re-run stopped after this op with {type(error).__name__}: {first}",
+            mode_disagreement=f"the op-by-op re-run stopped {at} this op with {type(error).__name__}: {first}",
             symptom=symptom(compiled),
         )
     eager_nonfinite = (not loss_finite) or bool(bad_variables)

@@ -12,7 +12,7 @@ from companion._gradients import gradient_values
 from companion.diagnostics.diagnosis import Diagnosis, from_event, keep_state
 from companion.diagnostics.rewrites import choice, verify_clamp
 from companion.diagnostics.step import culprit
-from companion.diagnostics.trace import OpTracer, eager_trace, nonfinite_mask
+from companion.diagnostics.trace import OpTracer, eager_trace, nonfinite_mask, raised
 
 __all__ = ["diagnose_function"]
 
@@ -70,19 +70,30 @@ def diagnose_function(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Diag
         raise TypeError(f"fn must be callable, got {type(fn).__name__} {fn!r}")
     tracer = OpTracer()
     tf_filtering = tf.debugging.is_traceback_filtering_enabled()
+    refused = None
     try:
         tf.debugging.disable_traceback_filtering()
         with eager_trace(tracer):
             result = fn(*args, **kwargs)
+    except Exception as error:  # an eager kernel that refuses what a compiled one makes NaN of
+        refused = raised(error, tracer)
+        if refused is None or tracer.events:
+            raise
+        first = (str(error).strip().splitlines() or [""])[0][:200]
+        refused_by = f"run op by op, this op raised {type(error).__name__}: {first} (compiled with XLA it returns NaN)"
     finally:
         if tf_filtering:
             tf.debugging.enable_traceback_filtering()
-    if not tracer.events or (_all_finite_results(result) and not tracer.nonfinite_writes):
-        return None
-    event = culprit(tracer)
-    found = from_event(
-        event, tracer, index=None, variables=(), disagreement=None, loss_finite=event.backward, losses_before=()
-    )
+    if refused is not None:
+        found = from_event(refused, tracer, index=None, variables=(), disagreement=refused_by,
+            loss_finite=False, losses_before=())
+    else:
+        if not tracer.events or (_all_finite_results(result) and not tracer.nonfinite_writes):
+            return None
+        event = culprit(tracer)
+        found = from_event(
+            event, tracer, index=None, variables=(), disagreement=None, loss_finite=event.backward, losses_before=()
+        )
     remedy, verified = _remedy(found, tracer, fn, args, kwargs)
     if remedy is not None:
         found = dataclasses.replace(found, remedy=remedy, verified=verified)
@@ -90,10 +101,13 @@ def diagnose_function(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Diag
 
 
 def _finite_run(fn, args, kwargs) -> tuple[bool, OpTracer]:
-    """Whether ``fn`` run op by op is finite as :func:`diagnose_function` judges it."""
+    """Whether ``fn`` run op by op is finite as :func:`diagnose_function` judges it (and raises nothing)."""
     tracer = OpTracer()
-    with eager_trace(tracer):
-        result = fn(*args, **kwargs)
+    try:
+        with eager_trace(tracer):
+            result = fn(*args, **kwargs)
+    except tf.errors.InvalidArgumentError:  # an eager kernel still refuses its inputs
+        return False, tracer
     return (not tracer.events or (_all_finite_results(result) and not tracer.nonfinite_writes)), tracer
 
 

@@ -85,6 +85,9 @@ __all__ = ["Steps", "choose", "verify"]
 
 LOW_PRECISION = ("float16", "bfloat16")
 
+#: Causes whose remedies are checked by re-running training steps (NaNDoctor hands them over).
+STEP_CAUSES = frozenset({"divergence", "learning_rate", "bootstrapped_targets"})
+
 
 def _layer(model, path: str | None):
     if not path:
@@ -140,6 +143,10 @@ def verify(diagnosis: Any, model: Any, loss_fn: Any, x, y, w, steps: "Steps | No
     if diagnosis is None or not isinstance(model, keras.Model):
         return diagnosis
     try:
+        diagnosis = from_the_run(diagnosis, model, x, y)
+    except Exception:  # noqa: BLE001 - the doctor never raises into fit: the cause stays as it was
+        pass
+    try:
         found = _verify(diagnosis, model, loss_fn, x, y, w, steps)
     except Exception as error:  # the doctor's own failure: said, not raised
         remedy = None
@@ -164,6 +171,47 @@ def verify(diagnosis: Any, model: Any, loss_fn: Any, x, y, w, steps: "Steps | No
 
 
 def _verify(d, model, loss_fn, x, y, w, steps=None):
+    """The remedy printed first and its check: the first candidate that verifies, else the first candidate."""
+    found = candidates(d, model, loss_fn, x, y, w, steps, every=False)
+    if not found:
+        return None
+    return next(((r, v) for r, v in found if (v or "").startswith("verified")), found[0])
+
+
+def candidates(d, model, loss_fn, x, y, w, steps=None, *, every: bool = True) -> list[tuple[str, "str | None"]]:
+    """The remedies for diagnosis ``d`` in the doctor's order, each with what its check found.
+
+    ``every=False`` stops at the first that verifies (what :func:`verify` prints first);
+    ``every=True`` checks them all (a test of the rule that an unverified remedy is
+    never printed first where a verified one exists). A remedy with no mechanical
+    check has ``None``.
+    """
+    found = []
+    for remedy, check in _candidates(d, model, loss_fn, x, y, w, steps):
+        verdict = check() if check is not None else None
+        found.append((remedy, verdict))
+        if not every and (verdict or "").startswith("verified"):
+            break
+    return found
+
+
+def _one(found):
+    """A single ``(remedy, verdict)`` as a candidate list (checked already)."""
+    return [] if found is None else [(found[0], (lambda v=found[1]: v))]
+
+
+def _candidates(d, model, loss_fn, x, y, w, steps=None):
+    """``[(remedy, check)]``: each remedy the doctor may print first, in order, with its check (or ``None``)."""
+    if d.cause == "label_out_of_range":
+        return _label_candidates(d, model, loss_fn, x, y, w)
+    if d.cause in ("learning_rate", "bootstrapped_targets"):
+        return _rate_candidates(d, model, x, y, w, steps)
+    if d.cause == "divergence" and not d.dtype in LOW_PRECISION:
+        return [(r, (lambda v=v: v)) for r, v in _verify_divergence(d, model, x, y, w, steps, every=True)]
+    return _one(_verify_single(d, model, loss_fn, x, y, w, steps))
+
+
+def _verify_single(d, model, loss_fn, x, y, w, steps=None):
     if d.cause in ("overflow", "divergence") and d.dtype in LOW_PRECISION:
         layer = _layer(model, d.layer)
         if layer is None:
@@ -173,8 +221,6 @@ def _verify(d, model, loss_fn, x, y, w, steps=None):
             finite = _finite_step(model, loss_fn, x, y, w)
         return remedy, (f"verified: the step is finite with {what}" if finite
                         else f"not verified: the step is still non-finite with {what}")
-    if d.cause == "divergence":
-        return _verify_divergence(d, model, x, y, w, steps)
     if d.cause == "compiled_only" and getattr(model, "jit_compile", False):
         finite = _finite_step(model, loss_fn, x, y, w, graph=True)
         return choose(d), ("verified: the step is finite with jit_compile=False (the same step compiled "
@@ -394,23 +440,20 @@ def _replicas(model) -> int:
     return int(getattr(strategy, "num_replicas_in_sync", 1) or 1)
 
 
-def _verify_divergence(d, model, x, y, w, steps):
+def _verify_divergence(d, model, x, y, w, steps, every: bool = False):
+    """The divergence's remedies (a smaller rate, else ``clipnorm``) re-run over the steps.
+
+    Returns the remedy printed first and its check; with ``every``, every remedy tried
+    with its own check, in order.
+    """
     optimizer = _optimizer(model)
     if optimizer is None:
-        return ("a learning rate ten times smaller in the optimizer (or clipnorm=1.0)",
-                "not verified: the model has no Keras optimizer to re-run the step with")
+        found = [("a learning rate ten times smaller in the optimizer (or clipnorm=1.0)",
+                  "not verified: the model has no Keras optimizer to re-run the step with")]
+        return found if every else found[0]
     rate = _rate(optimizer)
     name = type(optimizer).__name__
     smaller = _smaller_learning_rate(model)[0]
-    if _replicas(model) > 1:  # an update on one replica, outside the strategy, would wait for the others
-        return smaller, (f"not verified: the doctor does not re-run training steps under a distribution "
-                         f"strategy of {_replicas(model)} replicas")
-    if steps is None:
-        if d.phase == "weights":
-            return smaller, ("not verified: the weights before the step are already non-finite; the steps "
-                             "that made them so are not in the data the doctor was given (run fit with "
-                             "NaNDoctor from the start)")
-        steps = Steps([], [], lambda: [(x, y, w)], 1, "the weights before it")
     tries = []
     if rate is not None and rate > 0:  # a negative rate (a schedule below 0) is not cured by a tenth of it
         tries.append((smaller, f"learning_rate={rate / 10:.3g}", lambda: _learning_rate(optimizer, rate / 10)))
@@ -422,36 +465,64 @@ def _verify_divergence(d, model, x, y, w, steps):
         tries.append((f"recompile with gradient clipping: keras.optimizers.{name}({shown}clipnorm=1.0) "
                       f"(each gradient's norm at most 1; {why})",
                       "clipnorm=1.0", lambda: _clipnorm(optimizer, 1.0)))
+    found = _rerun_tries(model, x, y, w, steps, tries, d.phase, default=smaller)
+    return found if every else next(((r, v) for r, v in found if (v or "").startswith("verified")), found[0])
+
+
+def _rerun_tries(model, x, y, w, steps, tries, phase=None, default=None) -> list[tuple[str, "str | None"]]:
+    """Each of ``tries`` (``(remedy, what, change)``) re-run over the steps: ``[(remedy, verdict)]`` in order.
+
+    The steps are re-run first without a change, as a control that must fail as
+    ``fit`` did; a remedy verifies if every step is then finite with it and no logged
+    value grows step after step.
+    """
+    def each(verdict):
+        return [(text, verdict) for text, _, _ in tries] or [(default, verdict)]
+
     if not tries:
-        return smaller, None
+        return [(default, None)]
+    if _replicas(model) > 1:  # an update on one replica, outside the strategy, would wait for the others
+        return each(f"not verified: the doctor does not re-run training steps under a distribution "
+                    f"strategy of {_replicas(model)} replicas")
+    if steps is None:
+        if phase == "weights":
+            return each("not verified: the weights before the step are already non-finite; the steps "
+                        "that made them so are not in the data the doctor was given (run fit with "
+                        "NaNDoctor from the start)")
+        steps = Steps([], [], lambda: [(x, y, w)], 1, "the weights before it")
     if steps.count == 1:
         span = f"the failing step re-run from {steps.origin}"
     else:
         span = f"the {steps.count} steps from {steps.origin} to the failing one re-run with it"
     if steps.count > MAX_STEPS:
-        return smaller, (f"not verified: the failing step is {steps.count} steps after {steps.origin}, the "
-                         f"earliest state the doctor kept (it re-runs at most {MAX_STEPS}, eagerly)")
+        return each(f"not verified: the failing step is {steps.count} steps after {steps.origin}, the "
+                    f"earliest state the doctor kept (it re-runs at most {MAX_STEPS}, eagerly)")
     reproduced, run_control, _ = _rerun_steps(model, steps, contextlib.nullcontext)
     if reproduced:  # the control: without a remedy the re-run must fail as fit did
-        return smaller, (f"not verified: {span} without a remedy is finite as well (the re-run does not "
-                         "reproduce fit's failure, so it cannot show a cure)")
-    failures = []
+        return each(f"not verified: {span} without a remedy is finite as well (the re-run does not "
+                    "reproduce fit's failure, so it cannot show a cure)")
+    failures, found = [], []
     for text, what, change in tries:
         try:
             finite, run, grown = _rerun_steps(model, steps, change)
         except TypeError as error:  # a learning-rate schedule is not settable
             failures.append(f"{what} could not be set ({str(error).splitlines()[0][:120]})")
+            found.append((text, f"not verified: {failures[-1]} ({span})"))
             continue
         if finite and grown:
             failures.append(f"with {what}, every step is finite but {grown} still grows step after step")
         elif finite:
             tried = "".join(f"; {failure}" for failure in failures)
-            return text, (f"verified: the step is finite with {what} ({span}, every logged value and weight "
-                          f"finite and none growing step after step; without it, "
-                          f"{_where(run_control, steps.count)} is not{tried})")
+            found.append((text, f"verified: the step is finite with {what} ({span}, every logged value and "
+                                f"weight finite and none growing step after step; without it, "
+                                f"{_where(run_control, steps.count)} is not{tried})"))
+            continue
         else:
             failures.append(f"with {what}, {_where(run, steps.count)} is still non-finite")
-    return tries[0][0], f"not verified: {'; '.join(failures)} ({span})"
+        found.append((text, f"not verified: {failures[-1]} ({span})"))
+    if found and not any(v.startswith("verified") for _, v in found):  # the first says what every try found
+        found[0] = (found[0][0], f"not verified: {'; '.join(failures)} ({span})")
+    return found
 
 
 def _verify_clamp(d, clamp: Clamp, model, loss_fn, x, y, w) -> str | None:
@@ -471,3 +542,261 @@ def _smaller_learning_rate(model):
     name = type(optimizer).__name__
     return (f"recompile with a learning rate ten times smaller: keras.optimizers.{name}"
             f"(learning_rate={value / 10:.3g}) (was {value:.3g}; the weights grew step after step)", None)
+
+
+# --------------------------------------------------------------------------------------
+# Causes read from the run: the learning rate, targets made from the model's own outputs
+# --------------------------------------------------------------------------------------
+
+
+def _schedule(optimizer):
+    """The optimizer's ``LearningRateSchedule``, or ``None`` for a rate."""
+    given = _internal.learning_rate_as_given(optimizer)
+    return given if isinstance(given, keras.optimizers.schedules.LearningRateSchedule) else None
+
+
+#: The most steps whose scheduled rates :func:`rates_to` evaluates one by one.
+MAX_RATES = 4096
+
+
+def rates_to(optimizer) -> list[float]:
+    """The learning rate of every step from the first to the current one (the failing step), as floats.
+
+    A schedule is evaluated at steps ``0 .. iterations`` (at most :data:`MAX_RATES`
+    of them, evenly spread, the current one last); a rate is its current value alone.
+    """
+    schedule = _schedule(optimizer)
+    step = int(np.asarray(optimizer.iterations.numpy()))
+    if schedule is None:
+        rate = _rate(optimizer)
+        return [] if rate is None else [rate]
+    points = np.unique(np.linspace(0, step, num=min(step + 1, MAX_RATES)).round().astype(np.int64))
+    with tf.init_scope():
+        try:
+            values = np.asarray(schedule(tf.constant(points)), np.float64).reshape(-1)
+            if values.shape != points.shape:
+                raise ValueError("a schedule that does not map steps elementwise")
+        except Exception:  # noqa: BLE001 - a schedule written for one scalar step
+            values = np.array([float(np.asarray(schedule(tf.constant(int(p))))) for p in points])
+    return [float(v) for v in values]
+
+
+def _outputs(model, x):
+    """The model's outputs on ``x`` (inference), as one NumPy array, or ``None``."""
+    try:
+        out = model(x, training=False)
+    except Exception:  # noqa: BLE001 - a model whose call needs more than the data
+        return None
+    flat = tf.nest.flatten(out)
+    return np.asarray(tf.cast(flat[0], tf.float64)) if len(flat) == 1 else None
+
+
+def from_the_run(d, model, x, y):
+    """``d`` with the cause the run's values show, where they show one the op's alone does not.
+
+    For values that overflowed (a divergence, an overflow, an ``Inf`` met in
+    arithmetic, non-finite weights): the learning rate at the failing step and the
+    schedule's rates before it (:func:`~companion.diagnostics.causes.rate_cause`), then
+    the targets against the model's own outputs on the same inputs
+    (:func:`~companion.diagnostics.causes.bootstrapped`). Else ``d`` unchanged.
+    """
+    from companion.diagnostics.causes import CAUSES, GROWTH_CAUSES, bootstrapped, rate_cause  # noqa: PLC0415
+
+    if d.cause not in GROWTH_CAUSES | {"nonfinite_input"}:
+        return d
+    optimizer = _optimizer(model)
+    found = None
+    if optimizer is not None and d.cause != "nonfinite_input":
+        summary = rate_cause(rates_to(optimizer))
+        if summary is not None:
+            found = "learning_rate", summary
+    if found is None and y is not None and not isinstance(y, (dict, list, tuple)):
+        outputs = _outputs(model, x)
+        summary = None if outputs is None else bootstrapped(np.asarray(y), outputs)
+        if summary is not None:
+            found = "bootstrapped_targets", summary
+    if found is None:
+        return d
+    name, summary = found
+    cause = CAUSES[name]
+    return replace(d, cause=name, fix=cause.fix, section=cause.section,
+                   inputs_summary=f"{summary}; {d.inputs_summary}" if d.inputs_summary else summary)
+
+
+class _Clipped(keras.optimizers.schedules.LearningRateSchedule):
+    """A schedule's rates clipped into ``[low, high]``: the rewritten schedule, for a re-run."""
+
+    def __init__(self, schedule, low: float, high: float):
+        self.schedule, self.low, self.high = schedule, low, high
+
+    def __call__(self, step):
+        rate = self.schedule(step)
+        return tf.clip_by_value(rate, tf.cast(self.low, rate.dtype), tf.cast(self.high, rate.dtype))
+
+    def get_config(self):
+        return {"schedule": self.schedule, "low": self.low, "high": self.high}
+
+
+@contextlib.contextmanager
+def _swapped_schedule(optimizer, schedule):
+    before = _schedule(optimizer)
+    optimizer.learning_rate = schedule  # Keras' public setter takes a schedule for a schedule
+    try:
+        yield
+    finally:
+        optimizer.learning_rate = before
+
+
+#: Arguments of Keras' own schedules that make a rate grow or fall below 0, and what they should be.
+_SCHEDULE_ARGUMENTS = {
+    "decay_rate": lambda v: 1.0 / v if v > 1 else (abs(v) if v < 0 else None),
+    "end_learning_rate": lambda v: 0.0 if v < 0 else None,
+    "alpha": lambda v: 0.0 if v < 0 else None,
+    "power": lambda v: abs(v) if v < 0 else None,
+    "initial_learning_rate": lambda v: abs(v) if v < 0 else None,
+    "warmup_target": lambda v: abs(v) if v is not None and v < 0 else None,
+}
+
+
+def _bounds(rates: list[float]) -> tuple[float, float]:
+    """``(low, high)``: the smallest positive rate the schedule gave, and the rate it should not pass."""
+    positive = [r for r in rates if r > 0]
+    low = min(positive) if positive else 0.0
+    earlier = [r for r in rates[:-1] if r > 0]
+    high = float(np.median(earlier)) if rates[-1] > 0 and earlier else (max(positive) if positive else 0.0)
+    return low, max(high, low)
+
+
+def _schedule_remedy(optimizer, schedule, rates) -> tuple[str, Any] | None:
+    """The schedule rewritten so its rate stays in ``(0, peak]``: ``(remedy, schedule to re-run with)``."""
+    low, high = _bounds(rates)
+    cls = type(schedule)
+    if cls.__module__.startswith("keras."):
+        config = schedule.get_config()
+        fixed = {k: _SCHEDULE_ARGUMENTS[k](v) for k, v in config.items()
+                 if k in _SCHEDULE_ARGUMENTS and isinstance(v, (int, float)) and _SCHEDULE_ARGUMENTS[k](v) is not None}
+        if fixed:
+            shown = ", ".join(f"{k}={config[k]!r} -> {k}={v:.4g}" for k, v in fixed.items())
+            return (f"fix the schedule's arguments: keras.optimizers.schedules.{cls.__name__}(..., {shown}) "
+                    f"(its rate at the failing step is {rates[-1]:.3g})", cls.from_config({**config, **fixed}))
+        return (f"clip the schedule's rate: learning_rate=lambda: tf.clip_by_value({cls.__name__}(...)"
+                f"(optimizer.iterations), {low:.3g}, {high:.3g}) (its rate at the failing step is {rates[-1]:.3g})",
+                _Clipped(schedule, low, high))
+    import inspect  # noqa: PLC0415
+
+    try:
+        lines, first = inspect.getsourcelines(cls.__call__)
+        filename = inspect.getsourcefile(cls.__call__)
+    except (OSError, TypeError):
+        lines, first, filename = [], 0, None
+    returns = [(first + i, line.strip()) for i, line in enumerate(lines) if line.strip().startswith("return ")]
+    if not returns:
+        return (f"clip the rate {cls.__name__}.__call__ returns: tf.clip_by_value(rate, {low:.3g}, {high:.3g}) "
+                f"(its rate at the failing step is {rates[-1]:.3g})", _Clipped(schedule, low, high))
+    lineno, text = returns[-1]
+    expression = text[len("return "):]
+    try:  # the expression without a comment after it
+        import ast  # noqa: PLC0415
+
+        expression = ast.unparse(ast.parse(text).body[0].value)
+        text = f"return {expression}"
+    except (SyntaxError, AttributeError, IndexError):
+        pass
+    return (f"at {os.path.basename(filename)}:{lineno}: {text} -> return tf.clip_by_value({expression}, "
+            f"{low:.3g}, {high:.3g}) (the rate of {cls.__name__} kept in [{low:.3g}, {high:.3g}], the rates it "
+            f"gave before; at the failing step it is {rates[-1]:.3g})", _Clipped(schedule, low, high))
+
+
+def _rate_candidates(d, model, x, y, w, steps):
+    """A wrong learning rate: the schedule fixed, else ``clipnorm``; bootstrapped targets: ``clipnorm``."""
+    optimizer = _optimizer(model)
+    if optimizer is None:
+        return [(_fix_only(d), None)]
+    name = type(optimizer).__name__
+    rate = _rate(optimizer)
+    tries = []
+    if d.cause == "learning_rate":
+        rates = rates_to(optimizer)
+        schedule = _schedule(optimizer)
+        if schedule is not None:
+            found = _schedule_remedy(optimizer, schedule, rates)
+            if found is not None:
+                remedy, fixed = found
+                tries.append((remedy, "the schedule fixed", lambda fixed=fixed: _swapped_schedule(optimizer, fixed)))
+        elif rate is not None and rate <= 0:
+            positive = [r for r in rates if r > 0]
+            good = abs(rate) if rate < 0 else (min(positive) if positive else None)
+            if good:
+                tries.append((f"a positive learning rate: keras.optimizers.{name}(learning_rate={good:.3g}) (it is "
+                              f"{rate:.3g} at the failing step: every step climbs the loss)",
+                              f"learning_rate={good:.3g}", lambda: _learning_rate(optimizer, good)))
+    shown = "" if rate is None or _schedule(optimizer) is not None else f"learning_rate={rate:.3g}, "
+    why = ("the targets are made from the model's own outputs: each step is bounded, so they cannot run away"
+           if d.cause == "bootstrapped_targets" else "each step is bounded however large the rate")
+    if not (optimizer.clipnorm and optimizer.clipnorm <= 1.0):
+        tries.append((f"recompile with gradient clipping: keras.optimizers.{name}({shown}clipnorm=1.0) "
+                      f"(each gradient's norm at most 1; {why})", "clipnorm=1.0", lambda: _clipnorm(optimizer, 1.0)))
+    if not tries:
+        return [(_fix_only(d), None)]
+    if d.cause == "bootstrapped_targets" and (steps is None or steps.count <= 1):
+        verdict = ("not verified: the targets are made from the model's own outputs by the loop that calls the "
+                   "step, and the doctor has only this step, from weights that are already that large (attach "
+                   "one NaNDoctor to the whole loop, or re-run the loop with the remedy)")
+        return [(text, (lambda v=verdict: v)) for text, _, _ in tries]
+    results = _rerun_tries(model, x, y, w, steps, tries, d.phase, default=tries[0][0])
+    return [(r, (lambda v=v: v)) for r, v in results]
+
+
+def _fix_only(d) -> str:
+    """The cause's fix, as a remedy with no check."""
+    return d.fix
+
+
+# --------------------------------------------------------------------------------------
+# Labels outside [0, classes)
+# --------------------------------------------------------------------------------------
+
+
+def _label_values(d, y):
+    """The batch's labels as integers, and the number of classes the op's summary names."""
+    import re  # noqa: PLC0415
+
+    found = re.search(r"outside \[0, (\d+)\)", d.inputs_summary or "")
+    if found is None or y is None or isinstance(y, (dict, list, tuple)):
+        return None, None
+    labels = np.asarray(y)
+    if labels.dtype.kind == "f" and not np.all(labels == np.round(labels)):
+        return None, None
+    return labels.astype(np.int64), int(found.group(1))
+
+
+def _label_candidates(d, model, loss_fn, x, y, w):
+    """Labels that start at another value than 0: shifted; else the ones outside masked with a weight of 0."""
+    labels, classes = _label_values(d, y)
+    if labels is None:
+        return []
+    found = []
+    low, high = int(labels.min()), int(labels.max())
+    dtype = np.asarray(y).dtype
+    if low != 0 and high - low < classes:  # a block of `classes` labels that starts at `low`
+        shift = f"y - {low}" if low > 0 else f"y + {-low}"
+        shifted = (labels - low).astype(dtype)
+        found.append((f"labels from 0: {shift} in the input pipeline (the labels run from {low} to {high}; the "
+                      f"output has {classes} classes, 0 to {classes - 1})",
+                      lambda: _label_check(model, loss_fn, x, shifted, w, f"the labels {shift}")))
+    valid = (labels >= 0) & (labels < classes)
+    weight = valid.astype(np.float32) if w is None else (np.asarray(w) * valid).astype(np.asarray(w).dtype)
+    masked = np.where(valid, labels, 0).astype(dtype)
+    found.append((f"labels to ignore get a sample weight of 0 (and label 0): w = tf.cast((y >= 0) & (y < {classes}), "
+                  f"tf.float32){' * w' if w is not None else ''}; y = tf.where(w > 0, y, 0) (the output has "
+                  f"{classes} classes; {int((~valid).sum())} labels of the batch are outside [0, {classes}), "
+                  f"or give the output {high + 1} units if they are classes)",
+                  lambda: _label_check(model, loss_fn, x, masked, weight,
+                                       f"the {int((~valid).sum())} labels outside [0, {classes}) weighted 0")))
+    return found
+
+
+def _label_check(model, loss_fn, x, y, w, what: str) -> str:
+    finite = _finite_step(model, loss_fn, x, y, w)
+    return (f"verified: the step is finite with {what}" if finite
+            else f"not verified: the step is still non-finite with {what}")

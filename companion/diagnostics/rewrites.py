@@ -89,23 +89,29 @@ GENERIC = frozenset({"reduce_mean", "reduce_sum", "mean", "sum", "maximum", "min
                      "square", "add", "multiply", "subtract", "reshape", "concat", "stack"})
 
 
+#: Library functions whose Sqrt is singular at 0, each with the form the remedy writes
+#: instead, why, the form that applies it to a re-run, and the check's words.
+_SQRT_INSIDE = (
+    (NORMS, "tf.sqrt(tf.maximum(tf.reduce_sum(tf.square(x), axis=a), {eps:.3g}))",
+     "the norm's square clamped: a finite value, and a zero gradient at 0",
+     lambda short, eps: _clamped_norm(short, eps), "{name}'s square clamped at {eps:.3g}"),
+    (STDS, "tf.sqrt(tf.math.reduce_variance(x, axis=a) + {eps:.3g})",
+     "sqrt(var + eps): a variance of 0, as of a constant or a batch of one, gets a finite gradient",
+     lambda short, eps: _std_with_eps(eps), "{name} as sqrt(var + {eps:.3g})"),
+)
+
+
 def _inside_library(at: str, op: str, line: str, eps: float) -> tuple[str, "Clamp | None"]:
     """The remedy for an op inside a TensorFlow or Keras function the user calls and cannot edit."""
-    norm = NORMS.search(line)
-    if norm is not None and op == "Sqrt":
-        name = norm.group(1)
-        return (f"{at}the Sqrt is inside {name}, which you cannot edit: {name}(x, axis=a) -> "
-                f"tf.sqrt(tf.maximum(tf.reduce_sum(tf.square(x), axis=a), {eps:.3g})) (the norm's square "
-                "clamped: a finite value, and a zero gradient at 0)",
-                Clamp((name.rpartition(".")[2],), _clamped_norm(name.rpartition(".")[2], eps),
-                      f"{name}'s square clamped at {eps:.3g}"))
-    std = STDS.search(line)
-    if std is not None and op == "Sqrt":
-        name = std.group(1)
-        return (f"{at}the Sqrt is inside {name}, which you cannot edit: {name}(x, axis=a) -> "
-                f"tf.sqrt(tf.math.reduce_variance(x, axis=a) + {eps:.3g}) (sqrt(var + eps): a variance of 0, "
-                "as of a constant or a batch of one, gets a finite gradient)",
-                Clamp((name.rpartition(".")[2],), _std_with_eps(eps), f"{name} as sqrt(var + {eps:.3g})"))
+    if op == "Sqrt":
+        for pattern, written, why, form, what in _SQRT_INSIDE:
+            found = pattern.search(line)
+            if found is not None:
+                name = found.group(1)
+                short = name.rpartition(".")[2]
+                return (f"{at}the Sqrt is inside {name}, which you cannot edit: {name}(x, axis=a) -> "
+                        f"{written.format(eps=eps)} ({why})",
+                        Clamp((short,), form(short, eps), what.format(name=name, eps=eps)))
     calls = [c for c in re.findall(r"([\w.]+)\(", line) if c.rpartition(".")[2] not in GENERIC]
     inside = calls[-1] if calls else "a library function"
     return (f"{at}the {op} is inside {inside}, which you cannot edit: keep its input off the edge "
@@ -306,6 +312,55 @@ def _gradient_edge(d, at: str, line: str, eps: float) -> "tuple[str, Clamp | Non
                   f"{name}'s {argument} clamped at {eps:.3g}"))
 
 
+#: The sparse cross-entropies a line may call: the label argument's position and keyword.
+SPARSE_LOSSES = {"sparse_softmax_cross_entropy_with_logits": (0, "labels"),
+                 "sparse_categorical_crossentropy": (0, "y_true")}
+
+#: What classify says of labels outside the logits' classes.
+LABELS = re.compile(r"outside \[0, (\d+)\).*the labels run from (-?\d+) to (-?\d+)")
+
+
+def _labels_on_line(at: str, line: str, summary: str) -> tuple[str | None, "Clamp | None"]:
+    """Labels outside ``[0, classes)`` on the user's call of a sparse cross-entropy: shifted, or masked."""
+    found = LABELS.search(summary)
+    call = next(((m, name) for name in SPARSE_LOSSES
+                 for m in [re.search(rf"((?:[A-Za-z_]\w*\.)*{name})\(", line)] if m), None)
+    if found is None or call is None:
+        return None, None
+    classes, low, high = (int(v) for v in found.groups())
+    spelled, name = call[0].group(1), call[1]
+    index, keyword = SPARSE_LOSSES[name]
+    if low != 0 and high - low < classes:
+        shift = f"{keyword} - {low}" if low > 0 else f"{keyword} + {-low}"
+        return (f"{at}labels from 0: {spelled}({keyword}, ...) -> {spelled}({shift}, ...) (the labels run from "
+                f"{low} to {high}; the logits have {classes} classes, 0 to {classes - 1})",
+                Clamp((name,), _labels(index, keyword, lambda y: y - tf.cast(low, y.dtype), None),
+                      f"the labels shifted by {-low}"))
+    valid = f"(({keyword} >= 0) & ({keyword} < {classes}))"
+    return (f"{at}labels outside [0, {classes}) ignored: {spelled}({keyword}, ...) -> "
+            f"{spelled}(tf.where({valid}, {keyword}, 0), ...) * tf.cast({valid}, tf.float32) (or give the "
+            f"logits {high + 1} classes if they are classes)",
+            Clamp((name,), _labels(index, keyword, lambda y: tf.where((y >= 0) & (y < classes), y, tf.zeros_like(y)),
+                                   lambda y: (y >= 0) & (y < classes)),
+                  f"the labels outside [0, {classes}) weighted 0"))
+
+
+def _labels(index: int, keyword: str, relabel, valid):
+    """A sparse cross-entropy call with its labels changed by ``relabel`` (and weighted by ``valid``)."""
+
+    def call(original, *args, **kwargs):
+        args = list(args)
+        labels = tf.convert_to_tensor(args[index] if len(args) > index else kwargs[keyword])
+        if len(args) > index:
+            args[index] = relabel(labels)
+        else:
+            kwargs[keyword] = relabel(labels)
+        result = original(*args, **kwargs)
+        return result if valid is None else result * tf.cast(tf.reshape(valid(labels), tf.shape(result)), result.dtype)
+
+    return call
+
+
 def choose(d) -> str | None:
     """The first remedy for diagnosis ``d``, written against its line, or ``None``.
 
@@ -331,6 +386,8 @@ def choice(d) -> tuple[str | None, "Clamp | None"]:
         return "compile without XLA: model.compile(..., jit_compile=False) (or tf.function(jit_compile=False))", None
     if d.cause == "where_trap":
         return _where_trap(at, op, d.source, line, d.dtype), None
+    if d.cause == "label_out_of_range":
+        return _labels_on_line(at, line, d.inputs_summary or "")
     if d.cause == "inf_arithmetic" and re.search(r"-\s*(np\.|math\.|float\(\")?inf", code):
         return f"{at}a large finite negative mask instead of -inf: -1e9 (float32) or -3e4 (float16)", None
     edge = _gradient_edge(d, at, line, eps)

@@ -255,3 +255,86 @@ class eager_trace:
             self._callback.__exit__(*exc)
         finally:
             tf.config.run_functions_eagerly(self._was_eager)
+
+
+def _op_name(error: BaseException) -> str | None:
+    """The op type an eager kernel's error names (``[Op:SparseSoftmaxCrossEntropyWithLogits]``), or ``None``."""
+    import re  # noqa: PLC0415
+
+    text = str(error)
+    found = re.search(r"\[Op:(\w+)\]", text) or re.search(r"__wrapped__(\w+?)_device_", text)
+    return found.group(1) if found else None
+
+
+def _snake(op: str) -> str:
+    import re  # noqa: PLC0415
+
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", op).lower()
+
+
+def _value(tensor) -> np.ndarray | None:
+    """A NumPy copy of any numeric eager tensor or array (integers too), else ``None``."""
+    try:
+        array = np.asarray(tensor.numpy() if hasattr(tensor, "numpy") else tensor)
+    except Exception:  # noqa: BLE001 - a symbolic tensor, a handle
+        return None
+    return array if array.dtype.kind in "biufc" else None
+
+
+def raised(error: BaseException, tracer: OpTracer) -> OpEvent | None:
+    """The op whose eager kernel raised ``error`` in the op-by-op re-run, as an event; else ``None``.
+
+    An op callback sees an op only after its kernel ran, so an op whose kernel refuses
+    its inputs (``SparseSoftmaxCrossEntropyWithLogits`` given a label outside ``[0,
+    classes)``: eager raises where an XLA kernel returns NaN) is never traced. Its
+    inputs are read from the frame of TensorFlow's generated wrapper that called the
+    kernel (in the error's traceback), its user line and layer from the frames above
+    it, and its outputs from the same op run alone on those inputs, compiled with XLA
+    (what the compiled step computed). ``None`` unless those outputs hold a NaN or an
+    Inf.
+    """
+    op = _op_name(error)
+    if op is None or getattr(tf.raw_ops, op, None) is None:
+        return None
+    from companion.diagnostics.causes import argument_names  # noqa: PLC0415 - causes imports no trace
+
+    names = argument_names(op)
+    frames, tb = [], error.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    frame = next((f for f in reversed(frames) if f.f_code.co_name == _snake(op)
+                  and all(n in f.f_locals for n in names)), None)
+    if frame is None or not names:
+        return None
+    tensors = [frame.f_locals[n] for n in names]
+    inputs = tuple(_value(t) for t in tensors)
+    if any(v is None for v in inputs):
+        return None
+    try:
+        with tf.init_scope():
+            run = tf.function(lambda *a: getattr(tf.raw_ops, op)(**dict(zip(names, a))), jit_compile=True)
+            outputs = run(*[tf.constant(v) for v in inputs])
+    except Exception:  # noqa: BLE001 - no XLA kernel, or it refuses the inputs as well
+        return None
+    values = tuple(_numeric(t) for t in (outputs if isinstance(outputs, (list, tuple)) else [outputs]))
+    if not any(v is not None and v.size and nonfinite_mask(v).any() for v in values):
+        return None
+    layer, filename, lineno = where_in_user_code(frame)
+    if filename is not None and _called_by_the_doctor(frame, filename):
+        filename = lineno = None  # a compiled Keras loss: no line of the user's makes the op
+    record = OpRecord(op_type=op, stage=tracer.stage, scope="", layer=layer, filename=filename, lineno=lineno,
+                      inputs=inputs, nonfinite=True)
+    return OpEvent(record=record, forward=None, forward_type=None, outputs=values, index=tracer._count + 1)
+
+
+def _called_by_the_doctor(frame, filename: str) -> bool:
+    """Whether the doctor's own re-run (not user code) called the library code that made the op at ``frame``."""
+    import os  # noqa: PLC0415
+
+    here = os.path.dirname(os.path.realpath(__file__))
+    while frame is not None and frame.f_code.co_filename != filename:
+        if os.path.dirname(os.path.realpath(frame.f_code.co_filename)) == here:
+            return True
+        frame = frame.f_back
+    return False
