@@ -89,6 +89,8 @@ UNIT_SECONDS = {
     "tests/unit/test_finding_your_own_nan.py": 100,
     "tests/distributed/test_launch.py": 90,
     "book/tools/training_across_machines.ipynb": 55,
+    "book/closing/finding_your_own_nan.ipynb": 50,
+    "book/closing/checklist.ipynb": 45,
     "tests/distributed/test_training_recovery_distributed.py": 50,
     "tests/contracts/test_training_fit_parity.py": 45,
     "tests/unit/test_training_recovery.py": 45,
