@@ -198,7 +198,7 @@ def update_diagnosis(model, loss_fn, x, y, w, index: int | None = None) -> Diagn
         return None
     if not optimizer.built:
         optimizer.build(variables)
-    found = _update_diagnosis(model, optimizer, variables, grads, index)
+    found = _update_diagnosis(model, optimizer, variables, grads, index, batch=(x, y, w))
     if found is None and moved:
         return _moving_diagnosis(model, moved, index, x, y, w)
     return found
@@ -216,8 +216,13 @@ def _writes_nonfinite(optimizer, variables, grads, values=None, state=None) -> b
                                                                if v.dtype.kind == "f")
 
 
-def _update_diagnosis(model, optimizer, variables, grads, index, values=None, state=None) -> Diagnosis | None:
-    """The diagnosis of ``optimizer``'s update from these finite gradients, if it writes a non-finite value."""
+def _update_diagnosis(model, optimizer, variables, grads, index, values=None, state=None,
+                      batch=None) -> Diagnosis | None:
+    """The diagnosis of ``optimizer``'s update from these finite gradients, if it writes a non-finite value.
+
+    ``batch``: the step's ``(x, y, sample_weight)``, for a remedy checked by re-running the
+    step on a copy of the model.
+    """
     new, applied, clone, slots = _apply_on_copies(optimizer, variables, grads, values=values, state=state)
     bad = next((i for i, value in enumerate(new) if nonfinite_mask(value).any()), None)
     bad_slots = [s for s in optimizer.variables if id(s) in slots and nonfinite_mask(slots[id(s)]).any()]
@@ -225,49 +230,95 @@ def _update_diagnosis(model, optimizer, variables, grads, index, values=None, st
         return None
     filename, lineno = _creation_line(optimizer, model)
     name = type(optimizer).__name__
+    try:
+        wide, _, _, wide_slots = _apply_on_copies(optimizer, variables, grads, dtype="float64", values=values,
+                                                  state=state)
+    except Exception:  # noqa: BLE001 - a state that cannot be widened: no float64 comparison
+        wide, wide_slots = None, {}
     if bad is not None:
-        variable, value = applied[bad], new[bad]
-    else:
+        variable, value, target = applied[bad], new[bad], applied[bad]
+        wide_value = wide[bad] if wide is not None else None
+    else:  # the update's own state: the slot of which weight
         variable, value = bad_slots[0], slots[id(bad_slots[0])]
+        wide_value = wide_slots.get(id(variable))
+        slot_path = _variable_path(variable).replace("/", "_")
+        target = next((v for v in applied if _variable_path(v).replace("/", "_") in slot_path), None)
     dtype = tf.as_dtype(variable.dtype).name
     mask = nonfinite_mask(value)
     count = int(mask.sum())
     path = _variable_path(variable)
     summary = f"{name}'s update writes {count} non-finite of {value.size} entries of {path} ({dtype})"
     remedy = verified = None
-    try:
-        wide, _, _, _ = _apply_on_copies(optimizer, variables, grads, dtype="float64", values=values, state=state)
-        wide_value = wide[bad] if bad is not None else None
-    except Exception:  # noqa: BLE001 - a state that cannot be widened: no float64 comparison
-        wide_value = None
     epsilon = getattr(optimizer, "epsilon", None)
-    limit = float(np.finfo(_np_dtype(variable.dtype)).max) if dtype != "bfloat16" else 3.39e38
+    limit = _largest(variable.dtype)
+    epsilon_vanishes = isinstance(epsilon, (int, float)) and dtype in ("float16", "bfloat16") and (
+        np.asarray(epsilon, _np_dtype(variable.dtype)) == 0)
     if wide_value is not None and np.all(np.isfinite(wide_value[mask])):
         largest = float(np.max(np.abs(wide_value[mask])))
         if largest > limit:
             summary += f"; in float64 the update is finite, up to {largest:.3g}, beyond {dtype}'s largest {limit:.6g}"
-        elif isinstance(epsilon, (int, float)) and np.asarray(epsilon, _np_dtype(variable.dtype)) == 0:
+        elif epsilon_vanishes and bad is not None:
             zero = _zero_slot(optimizer, variable, slots, mask)
             summary += (f"; epsilon={epsilon:g} is 0 in {dtype}" + (f", and {zero} exactly 0 at "
                         f"{'those entries' if count > 1 else 'that entry'}" if zero else "")
                         + f": a division by 0 ({'0/0' if np.isnan(value[mask]).any() else 'x/0'}) that "
                         f"float64 does not make (the update is finite there)")
-            remedy, verified = _epsilon_remedy(optimizer, variables, grads, variable.dtype, filename, lineno,
-                                               values, state)
+        else:
+            square = _largest_square(target, applied, grads)
+            summary += f"; in float64 the update is finite there, within {dtype}'s range"
+            if square is not None and square > limit:
+                summary += (f": the gradient's square, up to {square:.3g}, is beyond {dtype}'s largest "
+                            f"{limit:.6g} (the optimizer's second moment overflows)")
     elif wide_value is not None:
         summary += "; in float64 the update is non-finite too"
-    if remedy is None and isinstance(epsilon, (int, float)) and dtype in ("float16", "bfloat16") and (
-            np.asarray(epsilon, _np_dtype(variable.dtype)) == 0):
+    if epsilon_vanishes and bad is not None:
         remedy, verified = _epsilon_remedy(optimizer, variables, grads, variable.dtype, filename, lineno,
                                            values, state)
+    if remedy is None and dtype in ("float16", "bfloat16") and target is not None:
+        layer = _owner_layer(model, target)
+        if layer is not None:
+            remedy, verified = _mixed_remedy(model, layer, batch)
     cause = CAUSES[CAUSE]
     return Diagnosis(
-        batch=index, phase="update", op=f"{name}.apply", forward_op=None, layer=_owner_path(model, variable),
+        batch=index, phase="update", op=f"{name}.apply", forward_op=None,
+        layer=_owner_path(model, target if target is not None else variable),
         source=f"{filename}:{lineno}" if filename else None, variables=(path,), dtype=dtype,
         inputs_summary=summary, cause=CAUSE, fix=cause.fix, section=cause.section,
         symptom="finite loss and gradients, non-finite update", code=source_text(filename, lineno),
         remedy=remedy, verified=verified,
     )
+
+
+def _largest(dtype) -> float:
+    name = tf.as_dtype(dtype).name
+    return 3.39e38 if name == "bfloat16" else float(np.finfo(_np_dtype(dtype)).max)
+
+
+def _largest_square(target, applied, grads) -> float | None:
+    """The largest square of ``target``'s gradient, in float64."""
+    pairs = [g for v, g in zip(applied, [g for g in grads if g is not None]) if v is target]
+    if not pairs:
+        return None
+    values = np.asarray(tf.cast(tf.convert_to_tensor(pairs[0]), tf.float64))
+    return float(np.max(values * values)) if values.size else None
+
+
+def _mixed_remedy(model, layer, batch):
+    """The layer with ``dtype="mixed_float16"`` (float32 variables), checked on a copy of the model."""
+    filename, lineno = _layer_line(layer, model)
+    where = f"at {os.path.basename(filename)}:{lineno}: " if filename else ""
+    remedy = (f"{where}{type(layer).__name__}(..., dtype=\"mixed_float16\") for layer {layer.name!r}: its "
+              f"variables and the optimizer's arithmetic on them in float32, its computation in float16")
+    if batch is None:
+        return remedy, "not verified: the step's batch is not known here"
+    try:
+        _, written = _float32_copy_run(model, layer, *batch, dtype="mixed_float16")
+    except Exception as error:  # noqa: BLE001 - a model that cannot be copied: said, not raised
+        return remedy, f"not verified: the model could not be copied with that layer's dtype ({type(error).__name__})"
+    finite = all(np.all(np.isfinite(v)) for v in written if v.dtype.kind == "f")
+    return remedy, (f"verified: the failing step, run on a copy of the model with {layer.name!r} in "
+                    f"mixed_float16, writes every one of its {len(written)} variables finite" if finite else
+                    f"not verified: with {layer.name!r} in mixed_float16 a variable is still non-finite")
 
 
 def _zero_slot(optimizer, variable, slots, mask) -> str | None:
@@ -323,7 +374,7 @@ def _owner_layer(model, variable):
     return None
 
 
-def _float32_copy_run(model, layer, x, y=None, w=None):
+def _float32_copy_run(model, layer, x, y=None, w=None, dtype="float32"):
     """The failing step run on a copy of ``model`` with ``layer`` in float32.
 
     With the compiled loss and targets, a whole training step (``train_on_batch``, the
@@ -334,7 +385,7 @@ def _float32_copy_run(model, layer, x, y=None, w=None):
     def clone(each):
         config = each.get_config()
         if each is layer:
-            config = {**config, "dtype": "float32"}
+            config = {**config, "dtype": dtype}
         return each.__class__.from_config(config)
 
     copy = keras.models.clone_model(model, clone_function=clone)
@@ -467,7 +518,7 @@ def own_step_update(model, x, y, w, index: int | None = None) -> Diagnosis | Non
     if not applies:
         return None
     optimizer, variables, grads, values, state = applies[0]
-    return _update_diagnosis(model, optimizer, variables, grads, index, values, state)
+    return _update_diagnosis(model, optimizer, variables, grads, index, values, state, batch=(x, y, w))
 
 
 def find_update(model, data, loss_fn, y, sample_weight, batch_size, max_batches, skip) -> Diagnosis | None:

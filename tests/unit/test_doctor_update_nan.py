@@ -223,3 +223,31 @@ def test_a_moving_variance_that_overflows_float16_is_named_with_its_layer_and_a_
     model, x, y = _keras_9582(bn_dtype="float32")  # the remedy, as printed: that layer in float32
     history = _fit(model, x, y)
     assert _all_finite(model) and np.all(np.isfinite(history.history["loss"]))
+
+
+def _optimi_15(head_dtype="float16"):
+    """warner-benjamin/optimi#15: Adam's state in float16, a gradient near 1000 whose square passes 65504."""
+    keras.utils.set_random_seed(7)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, dtype=head_dtype, name="scale")])  # report-line
+    model.compile(keras.optimizers.Adam(1e-3), "mse")
+    x = np.random.default_rng(11).normal(size=(32, 4)).astype("float32")
+    return model, x, np.full((32, 1), 1000.0, "float32")
+
+
+def test_a_second_moment_that_overflows_float16_is_named_with_a_verified_mixed_precision_remedy(capsys):
+    model, x, y = _optimi_15()
+    _fit(model, x, y)
+    assert not _all_finite(model), "the rebuild must fail as reported"
+    model, x, y = _optimi_15()
+    doctor = NaNDoctor()
+    _fit(model, x, y, [doctor])
+    d = doctor.diagnosis
+    assert d is not None, capsys.readouterr().out
+    assert d.cause == "nonfinite_update" and d.op == "Adam.apply" and d.layer.endswith("/scale")
+    assert d.variables[0].endswith("scale_kernel_velocity"), d.variables  # the optimizer's state, not the weight
+    assert "the gradient's square, up to" in d.inputs_summary and "beyond float16's largest 65504" in d.inputs_summary
+    assert d.remedy.startswith(f"at test_doctor_update_nan.py:{_line(_optimi_15, 'report-line')}: "), d.remedy
+    assert 'Dense(..., dtype="mixed_float16") for layer \'scale\'' in d.remedy and d.verified.startswith("verified:")
+    model, x, y = _optimi_15(head_dtype="mixed_float16")  # the remedy, as printed
+    history = _fit(model, x, y)
+    assert _all_finite(model) and np.all(np.isfinite(history.history["loss"]))
