@@ -5,6 +5,7 @@ wrapper and the diagnostics. A gradient may be a dense tensor, ``tf.IndexedSlice
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Sequence
 
 import numpy as np
@@ -97,3 +98,78 @@ def nonfinite_counts(gradients: Sequence[Any], flatten: bool = False) -> tuple[t
         nan_counts.append(tf.raw_ops.Sum(input=tf.raw_ops.Cast(x=tf.raw_ops.IsNan(x=values), DstT=tf.int64), axis=axis))
         inf_counts.append(tf.raw_ops.Sum(input=tf.raw_ops.Cast(x=tf.raw_ops.IsInf(x=values), DstT=tf.int64), axis=axis))
     return tf.raw_ops.Pack(values=nan_counts), tf.raw_ops.Pack(values=inf_counts)
+
+
+#: Variables with fewer entries are updated as the optimizer schedules them: their
+#: temporaries are small, and chaining them would only add latency.
+CHAIN_FROM = 2**16
+
+
+@contextlib.contextmanager
+def one_update_at_a_time(optimizer, smallest: int = CHAIN_FROM):
+    """While traced inside, the large variables' updates of ``optimizer`` run one after another.
+
+    An update that waits for a test of every gradient (a conditional on their norm, as
+    a loss scaler's or the guard's) starts every variable's update at the same moment,
+    with all their temporaries alive at once (Adam's holds two or three arrays the size
+    of its variable): measured on three 3072 x 3072 float32 layers with Adam, the peak of
+    TensorFlow's allocator grew by 0.65 x the weights' bytes. Without the conditional, the
+    updates start as the backward pass frees each gradient, staggered. Chaining them, each
+    after the previous variable's last write, gives the conditional the unconditional
+    update's peak. Nothing is computed differently: only the order is fixed.
+
+    Works through the optimizer's public ``update_step``, ``assign``, ``assign_add`` and
+    ``assign_sub`` (the hooks Keras asks an optimizer's update to use), replaced on the
+    instance for the duration; an optimizer without them is left as it is, and so is one
+    traced by several replicas at once (their threads share the instance).
+    """
+    names = ("update_step", "assign", "assign_add", "assign_sub")
+    context = tf.distribute.get_replica_context()
+    several = context is None or context.num_replicas_in_sync > 1
+    if several or not tf.inside_function() or not all(callable(getattr(optimizer, n, None)) for n in names):
+        yield
+        return
+    originals = {name: getattr(optimizer, name) for name in names}
+    own = {name: name in vars(optimizer) for name in names}
+    previous: list = []
+    written: list = []
+
+    def writing(name):
+        def write(variable, value):
+            written.append(variable)
+            return originals[name](variable, value)
+
+        return write
+
+    def update_step(gradient, variable, learning_rate):
+        nonlocal previous
+        entries = variable.shape.num_elements()
+        if entries is not None and entries < smallest:
+            return originals["update_step"](gradient, variable, learning_rate)
+        written.clear()
+        with tf.control_dependencies(previous):
+            result = originals["update_step"](gradient, variable, learning_rate)
+        # A read of each variable the update wrote comes after its last write (automatic
+        # control dependencies order the ops on one variable): the next update waits for it.
+        previous = [_handle_read(v) for v in {id(v): v for v in written}.values()] or previous
+        return result
+
+    try:
+        for name in names[1:]:
+            setattr(optimizer, name, writing(name))
+        optimizer.update_step = update_step
+        yield
+    finally:
+        for name in names:
+            if own[name]:
+                setattr(optimizer, name, originals[name])
+            else:
+                try:
+                    delattr(optimizer, name)
+                except AttributeError:
+                    pass
+
+
+def _handle_read(variable) -> tf.Tensor:
+    variable = getattr(variable, "value", variable) if not hasattr(variable, "handle") else variable
+    return tf.raw_ops.ReadVariableOp(resource=variable.handle, dtype=tf.as_dtype(variable.dtype))

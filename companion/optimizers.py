@@ -10,7 +10,7 @@ import keras
 import tensorflow as tf
 
 from companion import _internal
-from companion._gradients import all_finite
+from companion._gradients import all_finite, one_update_at_a_time
 
 __all__ = ["SkipNonFinite"]
 
@@ -148,7 +148,8 @@ class SkipNonFinite(keras.optimizers.Optimizer):
             finite = tf.equal(bad, 0)
 
         def apply():
-            self.inner_optimizer.apply(grads, trainable_variables)
+            with one_update_at_a_time(self.inner_optimizer):
+                self.inner_optimizer.apply(grads, trainable_variables)
             return tf.constant(True)
 
         tf.cond(finite, apply, self._skip)

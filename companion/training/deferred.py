@@ -29,6 +29,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from companion import _internal
+from companion._gradients import one_update_at_a_time
 
 
 
@@ -88,7 +89,10 @@ class DeferredUpdate:
         self.gradient_bound = gradient_bound
 
     def _update(self) -> None:
-        self.step.run_apply(self.apply, self.grads, self.variables)
+        # The update starts after the whole step: its variables one at a time, so that
+        # their temporaries are not all alive together (see one_update_at_a_time).
+        with one_update_at_a_time(self.step.inner):
+            self.step.run_apply(self.apply, self.grads, self.variables)
 
     def run(self, finite, direct, on_skip=None) -> tf.Tensor:
         """The update, if ``finite``: proved finite, or tested on a copy and put back if it

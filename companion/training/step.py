@@ -64,7 +64,7 @@ import numpy as np
 import tensorflow as tf
 
 from companion import _internal
-from companion._gradients import global_norm, nonfinite_counts, scale_gradient
+from companion._gradients import global_norm, nonfinite_counts, one_update_at_a_time, scale_gradient
 from companion.training.bounds import UpdateBound
 from companion.training.deferred import DeferredUpdate, Undeferrable, writes_of_step
 from companion.training.patches import ModelPatches
@@ -783,7 +783,8 @@ class GuardedStep:
                 return tf.constant(0)
 
         def run():
-            self.run_apply(apply, grads, variables)
+            with one_update_at_a_time(self.inner):
+                self.run_apply(apply, grads, variables)
             return tf.constant(0)
 
         if self.replicas > 1 and not _internal.strategy_supports_no_merge_call():
@@ -885,22 +886,39 @@ def _entries(values) -> int:
 
 def _all_finite(values, flatten: bool = False) -> tf.Tensor:
     """Whether every entry of every floating tensor or variable of ``values`` is finite
-    (raw ops: a test per tensor, and one for them all). With ``flatten``, the tensors of
-    each dtype are concatenated and tested at once: fewer ops to trace and to run, for
-    tensors small enough that the copy costs less than the ops it saves."""
+    (raw ops: a test per tensor, and one for them all). With ``flatten``, the small
+    tensors of each dtype are concatenated and tested at once: fewer ops to trace and to
+    run, for tensors small enough that the copy costs less than the ops it saves.
+
+    A tensor of more than :data:`SELECT_LIMIT` entries is tested by its sum first (a sum
+    is finite only if every entry is: a NaN or an infinity survives any sum), a pass with
+    no temporary the size of the tensor; only if some sum is not finite (a non-finite
+    entry, or finite entries whose sum overflows) are they tested entry by entry."""
+    values = [tf.convert_to_tensor(v) for v in values]
+    values = [v for v in values if v.dtype.is_floating]
+    large = [v for v in values if v.shape.num_elements() is not None and v.shape.num_elements() > SELECT_LIMIT]
+    if not large:
+        return _entries_finite(values, flatten)
+    ids = {id(v) for v in large}
+    small = [v for v in values if id(v) not in ids]
+    sums = [tf.raw_ops.Sum(input=v, axis=list(range(v.shape.rank))) for v in large]
+    quick = _entries_finite(sums)
+    large_finite = tf.cond(quick, lambda: tf.constant(True), lambda: _entries_finite(large))
+    if not small:
+        return large_finite
+    return tf.raw_ops.LogicalAnd(x=_entries_finite(small, flatten), y=large_finite)
+
+
+def _entries_finite(values, flatten: bool = False) -> tf.Tensor:
+    """Whether every entry of the floating tensors ``values`` is finite, entry by entry."""
     flags = []
     if flatten:
         groups: dict = {}
         for value in values:
-            value = tf.convert_to_tensor(value)
-            if value.dtype.is_floating:
-                groups.setdefault(value.dtype, []).append(tf.raw_ops.Reshape(tensor=value, shape=_FLAT))
+            groups.setdefault(value.dtype, []).append(tf.raw_ops.Reshape(tensor=value, shape=_FLAT))
         values = [parts[0] if len(parts) == 1 else tf.raw_ops.ConcatV2(values=parts, axis=0)
                   for parts in groups.values()]
     for value in values:
-        value = tf.convert_to_tensor(value)
-        if not value.dtype.is_floating:
-            continue
         flag = tf.raw_ops.IsFinite(x=value)
         if value.shape.rank != 0:
             rank = value.shape.rank

@@ -182,3 +182,67 @@ def test_a_step_that_reads_or_writes_what_the_update_writes_is_masked_and_equals
     assert model_cache(trained).get("undeferrable")
     for a, b in zip(trained.get_weights(), fitted.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+# --- one update at a time: the conditional update's temporaries are not all alive together --
+
+
+def _ancestors(op) -> set:
+    seen, stack = set(), [op]
+    while stack:
+        node = stack.pop()
+        for parent in [t.op for t in node.inputs] + list(node.control_inputs):
+            if parent.name not in seen:
+                seen.add(parent.name)
+                stack.append(parent)
+    return seen
+
+
+def _writes(graph, variable) -> list:
+    """The ops of ``graph`` that write ``variable`` (an assign taking its captured handle)."""
+    handle = next(internal for external, internal in graph.captures if external is variable.handle)
+    return [op for op in graph.get_operations()
+            if op.type.startswith("Assign") and any(t is handle for t in op.inputs)]
+
+
+@pytest.mark.parametrize("name", ["Adam", "SGD-momentum", "Lion"])
+def test_large_variables_are_updated_one_after_another_and_to_the_same_bits(name):
+    from companion._gradients import CHAIN_FROM, one_update_at_a_time
+
+    rng = np.random.default_rng(0)
+    shapes = [(300, 300), (300, 300), (3,)]  # two large (> CHAIN_FROM entries), one small
+    assert all(a * b > CHAIN_FROM for a, b in shapes[:2])
+    start = [rng.normal(size=s).astype("float32") for s in shapes]
+    grads = [tf.constant(rng.normal(size=s).astype("float32")) for s in shapes]
+    results = []
+    for chained in (False, True):
+        variables = [tf.Variable(v) for v in start]
+        optimizer = OPTIMIZERS[name](1e-2)
+        optimizer.build(variables)
+
+        def make(chained, variables, optimizer):  # closures: the variables are captured
+            @tf.function
+            def step():
+                if chained:
+                    with one_update_at_a_time(optimizer):
+                        optimizer.apply(grads, variables)
+                else:
+                    optimizer.apply(grads, variables)
+            return step
+
+        step = make(chained, variables, optimizer)
+
+        for _ in range(3):
+            step()
+        assert not {"update_step", "assign", "assign_add", "assign_sub"} & set(vars(optimizer))
+        results.append([v.numpy() for v in [*variables, *optimizer.variables]])
+        graph = step.get_concrete_function().graph
+        first, second = variables[0], variables[1]
+        later = _writes(graph, second)
+        earlier = {op.name for op in _writes(graph, first)}
+        assert later and earlier
+        # Chained: every write of the second large variable comes after every write of the first.
+        after = all(earlier <= _ancestors(op) for op in later)
+        assert after is chained
+    for unchained, chained in zip(*results):
+        np.testing.assert_array_equal(unchained, chained)
