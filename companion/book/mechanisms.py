@@ -33,6 +33,7 @@ __all__ = [
     "LogPriorDense",
     "beta_draws",
     "cholesky",
+    "label_tagger",
     "log_bessel_i0",
     "log_beta",
     "positive_weight",
@@ -78,6 +79,31 @@ class LogPriorDense(keras.layers.Dense):
             self.log_odds = np.log(prior / (1.0 - prior))
         init = keras.initializers.Constant(self.log_odds)
         super().__init__(len(prior), bias_initializer=init, **kwargs)  # prior
+
+
+def label_tagger(floor: float | None = None, seed: int = 0):
+    """A multi-label classifier whose output layer is a :class:`LogPriorDense`, and its data.
+
+    Three labels: the first on about half of 64 examples, the second on about a fifth, the
+    third on none, so that its log-odds prior is ``log 0 = -inf`` unless ``floor`` is set.
+
+    Returns:
+        ``(model, x, y)``: the compiled model (sigmoid cross-entropy from logits, Adam),
+        its inputs and its labels.
+
+    Example:
+        >>> model, x, y = label_tagger(floor=1e-7)
+        >>> bool(np.isfinite(model.get_layer("labels").bias.numpy()).all())
+        True
+    """
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(64, 4)).astype("float32")
+    y = np.stack([rng.random(64) < 0.5, rng.random(64) < 0.2, np.zeros(64, bool)], 1).astype("float32")
+    keras.utils.set_random_seed(seed)
+    out = LogPriorDense(y.sum(0), len(y), floor=floor, name="labels")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), out], name="tagger")
+    model.compile(optimizer="adam", loss=keras.losses.BinaryCrossentropy(from_logits=True))
+    return model, x, y
 
 
 class DataInitScale(keras.layers.Layer):

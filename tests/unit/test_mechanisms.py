@@ -59,14 +59,7 @@ def test_each_mechanism_recurs_in_the_survey_and_has_a_checklist_section(pattern
 
 
 def _tagger(floor=None):
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(64, 4)).astype("float32")
-    y = np.stack([rng.random(64) < 0.5, rng.random(64) < 0.2, np.zeros(64, bool)], 1).astype("float32")
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
-                              m.LogPriorDense(y.sum(0), len(y), floor=floor, name="labels")], name="tagger")
-    model.compile(optimizer="adam", loss=keras.losses.BinaryCrossentropy(from_logits=True))
-    return model, x, y
+    return m.label_tagger(floor=floor)
 
 
 def test_a_log_prior_bias_of_a_zero_frequency_is_named_at_its_initializer_and_a_floor_cures_it():
