@@ -24,6 +24,7 @@ import linecache
 import math
 import os
 import re
+import weakref
 from typing import Any
 
 import keras
@@ -44,6 +45,9 @@ from companion.diagnostics.trace import nonfinite_mask
 __all__ = ["find_update", "own_step_update", "update_diagnosis"]
 
 CAUSE = "nonfinite_update"
+
+#: The optimizer copies of :func:`_apply_on_copies`, per optimizer (dropped with it).
+_COPIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _optimizer(model):
@@ -80,14 +84,25 @@ def _apply_on_copies(optimizer, variables, grads, dtype=None, values=None, state
     ``values`` and ``state``: the variables' and the optimizer's values to start from (as
     numpy arrays; default: their values now).
     """
-    config = {**optimizer.get_config(), **changes}
-    clone = type(optimizer).from_config(config)
     if values is None:
         values = [np.asarray(v.numpy()) for v in variables]
     pairs = [(v, g, value) for v, g, value in zip(variables, grads, values) if g is not None]
-    copies = [keras.Variable(value.astype(dtype) if dtype else value, dtype=dtype or variable.dtype,
-                             trainable=True, name=variable.name) for variable, _, value in pairs]
-    clone.build(copies)
+    # The copies are made once per optimizer, dtype and change (a scan of many batches
+    # reuses them), and given the values to start from at each call.
+    key = (dtype, tuple(sorted(changes.items())), tuple(id(v) for v, _, _ in pairs))
+    made = _COPIES.setdefault(optimizer, {})
+    if key not in made:
+        clone = type(optimizer).from_config({**optimizer.get_config(), **changes})
+        copies = [keras.Variable(value.astype(dtype) if dtype else value, dtype=dtype or variable.dtype,
+                                 trainable=True, name=variable.name) for variable, _, value in pairs]
+        clone.build(copies)
+        made[key] = (clone, copies, [np.asarray(v.numpy()) for v in clone.variables])
+    clone, copies, fresh = made[key]
+    for copy, (_, _, value) in zip(copies, pairs):
+        copy.assign(value.astype(tf.as_dtype(copy.dtype).as_numpy_dtype))
+    if not optimizer.built:
+        for target, value in zip(clone.variables, fresh):
+            target.assign(value)
     if optimizer.built:
         source = list(optimizer.variables)
         target = list(clone.variables)
@@ -521,10 +536,54 @@ def own_step_update(model, x, y, w, index: int | None = None) -> Diagnosis | Non
     return _update_diagnosis(model, optimizer, variables, grads, index, values, state, batch=(x, y, w))
 
 
-def find_update(model, data, loss_fn, y, sample_weight, batch_size, max_batches, skip) -> Diagnosis | None:
-    """The first batch whose update (not its loss or gradients) is non-finite, diagnosed; else None."""
-    if loss_fn is None:
+def _compiled_check(model, loss_fn, optimizer):
+    """``check(x, y, w) -> bool``: whether the step's loss and gradients are finite and its update
+    (on copies of the variables and of the optimizer's state) or its forward pass writes a
+    non-finite value; one ``tf.function``, the model's state put back by the caller."""
+    variables = list(model.trainable_variables)
+    if not optimizer.built:
+        optimizer.build(variables)
+    clone = type(optimizer).from_config(optimizer.get_config())
+    copies = [keras.Variable(np.asarray(v.numpy()), dtype=v.dtype, trainable=True, name=v.name) for v in variables]
+    clone.build(copies)
+    if len(clone.variables) != len(optimizer.variables):
         return None
+    state = list(model.non_trainable_variables)
+
+    def finite(values) -> tf.Tensor:
+        flags = [tf.reduce_all(tf.math.is_finite(tf.cast(v, tf.float32))) for v in values
+                 if tf.as_dtype(v.dtype).is_floating]
+        return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
+
+    @tf.function(reduce_retracing=True)
+    def check(x, y, w):
+        with tf.GradientTape() as tape:
+            y_pred = model(x, training=True)
+            value = loss_fn(x, y, y_pred, w)
+        grads = tape.gradient(value, variables)
+        before = tf.logical_and(finite([value]), finite([g for g in grads if g is not None]))
+        for copy, variable in zip(copies, variables):
+            copy.assign(variable)
+        for target, source in zip(clone.variables, optimizer.variables):
+            target.assign(tf.cast(source, target.dtype))
+        clone.apply_gradients([(g, c) for g, c in zip(grads, copies) if g is not None])
+        after = tf.logical_and(finite([c.value for c in copies] + [v.value for v in clone.variables]),
+                               finite([v.value for v in state]))
+        return tf.logical_and(before, tf.logical_not(after))
+
+    return check
+
+
+def find_update(model, data, loss_fn, y, sample_weight, batch_size, max_batches, skip) -> Diagnosis | None:
+    """The first batch whose update (not its loss or gradients) is non-finite, diagnosed; else None.
+
+    Each batch's check is compiled (its loss, gradients and update on copies in one
+    ``tf.function``); the batch it flags is diagnosed op by op (:func:`update_diagnosis`).
+    """
+    optimizer, _ = _optimizer(model)
+    if loss_fn is None or optimizer is None:
+        return None
+    check = None
     for index, batch in enumerate(batches(data, y, sample_weight, batch_size)):
         if max_batches is not None and index >= skip + max_batches:
             break
@@ -532,6 +591,21 @@ def find_update(model, data, loss_fn, y, sample_weight, batch_size, max_batches,
             continue
         x, y_true, weights = batch
         ensure_built(model, x)
+        if check is None:
+            try:
+                check = _compiled_check(model, loss_fn, optimizer) or False
+            except Exception:  # noqa: BLE001 - an optimizer that cannot be copied: each batch eagerly
+                check = False
+        if check:
+            saved = model_state(model) + snapshot(random_states(model))
+            try:
+                flagged = bool(check(x, y_true, weights))
+            except Exception:  # noqa: BLE001 - a step the check cannot trace: this batch eagerly
+                flagged = True
+            finally:
+                restore(saved)
+            if not flagged:
+                continue
         found = update_diagnosis(model, loss_fn, x, y_true, weights, index)
         if found is not None:
             return found
