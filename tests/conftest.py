@@ -16,11 +16,12 @@ import time
 
 import pytest
 
-# The tests' shared modules (training_data, keras_io_models) and the test modules another one imports
+# The tests' shared modules (training_data, keras_io_models; distributed/fresh_process for the
+# MirroredStrategy tests) and the test modules another one imports
 # (test_doctor_reports, test_training_custom_steps, test_browser, test_translations) import
 # by name, also under --import-mode=importlib (which puts no test folder on sys.path).
 _TESTS = pathlib.Path(__file__).resolve().parent
-for _folder in ("book", "unit", ""):
+for _folder in ("book", "unit", "distributed", ""):
     sys.path.insert(0, str(_TESTS / _folder))
 
 import book_tools  # noqa: E402

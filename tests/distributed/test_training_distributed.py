@@ -9,11 +9,6 @@ global Keras policy.
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
 import textwrap
 import warnings
 
@@ -23,16 +18,10 @@ import pytest
 import tensorflow as tf
 
 from companion.training import train
+from fresh_process import TWO_CPUS, run_script  # tests/distributed/fresh_process.py
 
-MIRRORED_SCRIPT = textwrap.dedent(
+MIRRORED_SCRIPT = TWO_CPUS + textwrap.dedent(
     r"""
-    import json, os
-    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    import tensorflow as tf
-
-    cpus = tf.config.list_physical_devices("CPU")
-    tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
-
     import keras
     import numpy as np
     from companion.training import SkipNonFinite, train
@@ -212,14 +201,7 @@ MIRRORED_SCRIPT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def mirrored_result() -> dict:
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONHASHSEED="0", COMPANION_TESTS=str(pathlib.Path(__file__).parents[1]))
-    completed = subprocess.run(
-        [sys.executable, "-c", MIRRORED_SCRIPT], capture_output=True, text=True, timeout=600, env=env
-    )
-    lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
-    if completed.returncode != 0 or not lines:
-        pytest.fail(f"MirroredStrategy script failed ({completed.returncode}):\n{completed.stderr[-4000:]}")
-    return json.loads(lines[-1][len("RESULT ") :])
+    return run_script(MIRRORED_SCRIPT)
 
 
 @pytest.mark.slow

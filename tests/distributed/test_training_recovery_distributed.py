@@ -1,30 +1,27 @@
-"""``on_nonfinite="rollback"`` and ``skip_loss_spikes`` under MirroredStrategy over two logical CPUs.
+"""``on_nonfinite="rollback"`` and ``skip_loss_spikes`` under MirroredStrategy over two logical CPUs,
+and under MultiWorkerMirroredStrategy over two workers.
 
 The same three runs as ``tests/unit/test_training_recovery.py`` (its data and models), in
 a fresh process: the logical devices must be configured before TensorFlow runs an op.
-Every replica rolls back and skips together, and ends with the same weights.
+Every replica rolls back and skips together, and ends with the same weights. The
+multi-worker runs (``recovery_worker.py``, started by :func:`companion.launch.launch` as in
+``test_training_multiworker.py``): a diverging run that rolls back, and a spiky epoch;
+every worker rolls back and skips at the same steps and ends with the same weights.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-SCRIPT = textwrap.dedent(
+from companion.launch import launch
+from fresh_process import TWO_CPUS, run_script  # tests/distributed/fresh_process.py
+
+SCRIPT = TWO_CPUS + textwrap.dedent(
     r"""
-    import json, os, sys
-    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    import tensorflow as tf
-
-    cpus = tf.config.list_physical_devices("CPU")
-    tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
-
     import keras
     import numpy as np
     sys.path.insert(0, os.path.join(os.environ["COMPANION_TESTS"], "unit"))
@@ -106,13 +103,7 @@ SCRIPT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def result() -> dict:
-    tests = pathlib.Path(__file__).parents[1]
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONHASHSEED="0", COMPANION_TESTS=str(tests))
-    completed = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=900, env=env)
-    lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
-    if completed.returncode != 0 or not lines:
-        pytest.fail(f"MirroredStrategy script failed ({completed.returncode}):\n{completed.stderr[-4000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return run_script(SCRIPT, timeout=900)
 
 
 @pytest.mark.slow
@@ -140,3 +131,38 @@ def test_mirrored_spikes_are_skipped_at_the_outlier_batches_on_every_replica(res
     assert spikes["skipped"] == spikes["spikes"] == expected
     assert spikes["reasons"] == ["spike"] and spikes["agree"]
     assert spikes["val_loss"]["guarded"] < 1.5 * spikes["val_loss"]["without"]
+
+
+# --------------------------------------------------------------------------------------
+# Several workers
+# --------------------------------------------------------------------------------------
+
+WORKER = pathlib.Path(__file__).with_name("recovery_worker.py")
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("recovery-workers")
+    env = {"CUDA_VISIBLE_DEVICES": "", "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONHASHSEED": "0"}
+    launched = launch(WORKER, 2, ["--out", str(out)], timeout=300, grace=60, env=env)
+    failures = "\n".join(f"--- worker {w.index} (exit {w.returncode}):\n{w.output[-3000:]}" for w in launched.workers)
+    assert launched.ok, failures
+    return {index: json.loads((out / f"worker-{index}.json").read_text()) for index in range(2)}
+
+
+@pytest.mark.slow
+def test_every_worker_rolls_back_at_the_same_steps_and_ends_alike(workers):
+    first, second = workers[0]["rollback"], workers[1]["rollback"]
+    assert workers[0]["replicas"] == 2
+    assert first == second  # rollbacks, rates, weights, history
+    assert first["rollbacks"] and first["rate"] < 0.3 and first["finite"]
+    assert first["rate"] == pytest.approx(0.3 * first["rollbacks"][-1]["scale"])
+    assert all(r["restored_step"] < r["step"] for r in first["rollbacks"])
+
+
+@pytest.mark.slow
+def test_every_worker_skips_the_same_spikes_and_ends_alike(workers):
+    first, second = workers[0]["spikes"], workers[1]["spikes"]
+    assert first == second
+    assert first["skipped"] == first["spikes"] == [40, 100]  # the unit test's OUTLIERS, one epoch
+    assert first["reasons"] == ["spike"] and first["finite"]
