@@ -13,7 +13,12 @@
    first forward op whose output is not finite if the loss is not, else the first op
    of the backward pass, mapped to the forward op it differentiates;
 4. names the cause (one of ``CAUSES``) from that op and its
-   inputs, and says whether the compiled step and the op-by-op re-run disagree.
+   inputs, and says whether the compiled step and the op-by-op re-run disagree;
+5. where every batch's loss and gradients are finite, checks what the update would
+   write (``companion.diagnostics.update``: the optimizer applied to copies, and
+   the moving statistics the training forward pass writes): a variable the update
+   makes non-finite is ``nonfinite_update``, with the optimizer or layer, the line
+   that made it and the arithmetic that failed.
 """
 
 
@@ -108,8 +113,12 @@ def diagnose(
             NaNs appear only there, and the diagnosis then says so.
 
     Returns:
-        A :class:`Diagnosis`, or ``None`` if every batch's loss and gradients are
-        finite.
+        A :class:`Diagnosis`, or ``None`` if every batch's loss, gradients and update
+        are finite. A batch whose loss and gradients are finite but whose update is not
+        (an optimizer's ``epsilon`` that is 0 in ``float16``, a second moment or a
+        moving statistic beyond ``float16``'s range) is ``"nonfinite_update"``: the
+        variable, the optimizer's apply or the layer, the line that made it, and a
+        remedy checked on copies of the variables.
 
     Raises:
         TypeError: if ``model`` is not a Keras model or ``data`` is not data.
