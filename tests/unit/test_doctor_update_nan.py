@@ -251,3 +251,14 @@ def test_a_second_moment_that_overflows_float16_is_named_with_a_verified_mixed_p
     model, x, y = _optimi_15(head_dtype="mixed_float16")  # the remedy, as printed
     history = _fit(model, x, y)
     assert _all_finite(model) and np.all(np.isfinite(history.history["loss"]))
+
+
+def test_train_skips_the_step_and_its_report_names_the_update():
+    from companion.training import train
+
+    model, x, y = _pykoi_69()
+    history = train(model, x, y, batch_size=len(x), epochs=2, shuffle=False, verbose=0)
+    assert history.skipped == [0, 1] and _all_finite(model)  # no step applied its non-finite update
+    d = history.reports[0].diagnosis
+    assert d is not None and d.cause == "nonfinite_update" and d.variables[0].endswith("hidden/kernel")
+    assert d.verified.startswith("verified:") and "epsilon=0.0001" in d.remedy
