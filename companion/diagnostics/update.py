@@ -34,7 +34,8 @@ import tensorflow as tf
 from companion import _internal
 from companion.diagnostics.causes import CAUSES
 from companion.diagnostics.data import batches
-from companion.diagnostics.diagnosis import Diagnosis
+from companion.diagnostics.capsule_file import variables_state
+from companion.diagnostics.diagnosis import Diagnosis, keep_state
 from companion.diagnostics.gradients import _variable_path
 from companion.diagnostics.scan import ensure_built, model_state, random_states
 from companion.diagnostics.sources import is_library_file, source_text
@@ -606,7 +607,9 @@ def find_update(model, data, loss_fn, y, sample_weight, batch_size, max_batches,
                 restore(saved)
             if not flagged:
                 continue
+        state = variables_state(model)  # before the step, for Diagnosis.save
         found = update_diagnosis(model, loss_fn, x, y_true, weights, index)
         if found is not None:
-            return found
+            return keep_state(found, {"kind": "model", "batch": (x, y_true, weights), "variables": state,
+                                      "own_step": False, "numpy_random": np.random.get_state()})
     return None

@@ -262,3 +262,16 @@ def test_train_skips_the_step_and_its_report_names_the_update():
     d = history.reports[0].diagnosis
     assert d is not None and d.cause == "nonfinite_update" and d.variables[0].endswith("hidden/kernel")
     assert d.verified.startswith("verified:") and "epsilon=0.0001" in d.remedy
+
+
+def test_the_failing_step_of_an_update_nan_is_saved_and_replays_non_finite(tmp_path):
+    from companion.diagnostics import replay
+
+    model, x, y = _optimizers_jl_167()
+    d = diagnose(model, (x, y))
+    assert d is not None and d.cause == "nonfinite_update"
+    path = d.save(tmp_path / "update.npz")
+    model, _, _ = _optimizers_jl_167()  # the model rebuilt, as a user replays the capsule
+    again = replay(path, model, verbose=False)
+    assert not again.finite and again.diagnosis.cause == "nonfinite_update"
+    assert again.diagnosis.variables[0].endswith("dense/kernel") and again.restored > 0
