@@ -39,6 +39,7 @@ __all__ = [
     "positive_weight",
     "rbf_kernel",
     "scheduled_fit",
+    "standardized_dataset",
     "td_run",
     "weighted_loss",
 ]
@@ -140,6 +141,43 @@ class DataInitScale(keras.layers.Layer):
 
     def call(self, x):
         return x * self.scale + self.shift
+
+
+def standardize_features(x, y):
+    """A ``tf.data`` map: each feature of a batch to mean 0 and standard deviation 1."""
+    mean, std = tf.reduce_mean(x, axis=0), tf.math.reduce_std(x, axis=0)
+    return (x - mean) / std, y  # standardize
+
+
+def standardize_features_safe(x, y):
+    """The same map with ``tf.math.divide_no_nan``: a constant feature becomes 0."""
+    mean, std = tf.reduce_mean(x, axis=0), tf.math.reduce_std(x, axis=0)
+    return tf.math.divide_no_nan(x - mean, std), y
+
+
+def standardized_dataset(safe: bool = False, seed: int = 0):
+    """A regression whose ``tf.data`` pipeline standardises each batch; feature 1 is constant.
+
+    Returns:
+        ``(model, dataset)``: a compiled ``Dense(1)`` and the batched, mapped dataset
+        (:func:`standardize_features`, or :func:`standardize_features_safe` with ``safe``).
+
+    Example:
+        >>> model, data = standardized_dataset(safe=True)
+        >>> x, _ = next(iter(data))
+        >>> bool(np.isfinite(x.numpy()).all())
+        True
+    """
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(32, 3)).astype("float32")
+    x[:, 1] = 5.0  # a column that never changes
+    y = x[:, :1] * 2.0
+    mapping = standardize_features_safe if safe else standardize_features
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).map(mapping)
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)], name="regression")
+    model.compile(optimizer="sgd", loss="mse")
+    return model, dataset
 
 
 # --------------------------------------------------------------------------------------

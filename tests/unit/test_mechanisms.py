@@ -152,3 +152,13 @@ def test_each_field_report_is_in_the_survey_diagnosed_and_cured_by_its_first_rem
     assert d.source and "field.py" in d.source and d.verified.startswith("verified:"), str(d)
     assert keras.mixed_precision.global_policy().name == "float32"
     assert np.isfinite(field_rebuild(key, fixed=True).fit(epochs=1)).all()
+
+
+def test_a_standardisation_in_a_tf_data_map_is_named_at_its_division_and_divide_no_nan_cures_it():
+    model, data = m.standardized_dataset()
+    d = diagnose(model, data)
+    assert (d.cause, d.phase, d.op) == ("nonfinite_input", "input", "RealDiv"), str(d)
+    assert d.source.endswith("mechanisms.py:" + str(_line_of(m.__file__, "# standardize")))
+    assert "divide_no_nan" in d.remedy and d.verified.startswith("verified:")
+    model, data = m.standardized_dataset(safe=True)
+    assert np.isfinite(model.fit(data, epochs=2, shuffle=False, verbose=0).history["loss"]).all()
