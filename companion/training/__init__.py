@@ -11,7 +11,9 @@ The package, one idea per module:
 * ``results``: :class:`TrainingHistory`, :class:`SkippedStep`, :class:`Rollback`,
   :class:`NonFiniteError`, :class:`WorkerLostError`.
 * ``inputs``: the checks of :func:`train`'s own arguments.
-* ``step``: the guarded ``train_step`` installed in ``fit`` (``GuardedStep``).
+* ``step``: the guarded ``train_step`` installed in ``fit`` (``GuardedStep``);
+  ``values``: its raw reads and finiteness tests; ``buffer``: its records on the device,
+  drained by the host; ``spikes``: ``skip_loss_spikes``' running statistics and test.
 * ``deferred``: the model optimizer's update run at the step's end, under one predicate,
   with no copy of the weights or the optimizer's state; ``bounds``: the proof, from
   running bounds, that an update of Keras' SGD, Adam, AdamW or Lion is finite.

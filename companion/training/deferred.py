@@ -30,6 +30,7 @@ import tensorflow as tf
 
 from companion import _internal
 from companion._gradients import one_update_at_a_time
+from companion.training.values import SELECT_LIMIT, all_finite, entries, read
 
 
 
@@ -98,8 +99,6 @@ class DeferredUpdate:
         """The update, if ``finite``: proved finite, or tested on a copy and put back if it
         is not. Returns whether it was applied; ``on_skip()`` is traced into the branches
         that apply nothing (the NaN/Inf counts of a large model)."""
-        from companion.training.step import SELECT_LIMIT, _all_finite, _entries, _read
-
         bound = self.step.bound
         proved, advance = bound.prove(self.gradient_bound, self.step.inner.learning_rate)
 
@@ -109,10 +108,10 @@ class DeferredUpdate:
             return tf.constant(True)
 
         def tested():
-            saved = [_read(v) for v in direct]
+            saved = [read(v) for v in direct]
             self._update()
-            now = [_read(v) for v in direct]
-            ok = _all_finite(now, flatten=_entries(now) <= SELECT_LIMIT)
+            now = [read(v) for v in direct]
+            ok = all_finite(now, flatten=entries(now) <= SELECT_LIMIT)
 
             def put_back():
                 for variable, value in zip(direct, saved):

@@ -68,30 +68,10 @@ from companion._gradients import global_norm, nonfinite_counts, one_update_at_a_
 from companion.training.bounds import UpdateBound
 from companion.training.deferred import DeferredUpdate, Undeferrable, writes_of_step
 from companion.training.patches import ModelPatches
-from companion.training.records import APPLIED, COLUMNS
-
-#: Without XLA, a state (the variables a step may write) of more entries than this is put
-#: back under a conditional, a smaller one by selects (see ``GuardedStep._put_back``): at
-#: about a nanosecond per entry and step, the selects of 2**16 entries cost what the
-#: conditional's trace does over a thousand steps.
-SELECT_LIMIT = 2**16
-
-#: ``skip_loss_spikes``: the applied steps a spike test waits for (its warm-up), the
-#: window of the running mean and variance of the loss (an exponential moving average
-#: whose weight is ``1 / min(steps seen, SPIKE_WINDOW)``: the exact mean and variance of
-#: the first ``SPIKE_WINDOW`` steps, then of about the last ``SPIKE_WINDOW``), and the
-#: smallest spread it assumes, relative to the mean (a loss that stays constant would
-#: otherwise make any step above it a spike).
-SPIKE_WARMUP = 20
-SPIKE_WINDOW = 100
-SPIKE_MIN_SPREAD = 1e-2
-
-_ON_READ = dict(
-    synchronization=tf.VariableSynchronization.ON_READ,
-    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
-    trainable=False,
-)
-
+from companion.training.buffer import ON_READ, RecordBuffer
+from companion.training.spikes import LossSpikes
+from companion.training.values import SELECT_LIMIT, float_values as _float_values, read as _read
+from companion.training.values import all_finite as _all_finite, entries as _entries
 
 class _TraceSlot(threading.local):
     """What the intercepted optimizer calls saw while one replica's step was traced."""
@@ -153,24 +133,12 @@ class GuardedStep:
         # The NaN doctor's step records which logged values were not finite (fit's logs
         # show a skipped step's values put back).
         self.watch_logs = watch_logs and self.replicas == 1
-        self.log_keys: list = []
-        self.log_flags = None
         self.bound = UpdateBound(self.inner, self.variables) if self.deferred and self.inner is not None else None
         self.mode = None  # how the update was compiled, known once traced
         self._slot = _TraceSlot()
-        nvars = max(len(self.variables), 1)
+        self.buffer = RecordBuffer(self.capacity, len(self.variables), strategy)
         with strategy.scope():
-            self.records = tf.Variable(tf.zeros([self.capacity, COLUMNS]), name="guard_records", **_ON_READ)
-            self.counts = tf.Variable(
-                tf.zeros([self.capacity, 2, nvars], tf.int64), name="guard_counts", **_ON_READ
-            )
-            self.written = tf.Variable(tf.constant(0, tf.int32), name="guard_written", **_ON_READ)
-            self.consecutive = tf.Variable(tf.constant(0, tf.int32), name="guard_consecutive", **_ON_READ)
-            # skip_loss_spikes: the running mean and variance of the loss, and the steps
-            # they have seen (every replica the same values: the loss is all-reduced).
-            self.loss_stats = None
-            if self.spikes is not None:
-                self.loss_stats = tf.Variable(tf.zeros([3]), name="guard_loss_stats", **_ON_READ)
+            self.loss_spikes = None if self.spikes is None else LossSpikes(self.spikes, self.replicas, ON_READ)
         self.state = None  # found when the step is traced (fit builds the metrics first)
 
     def _state(self) -> list:
@@ -302,8 +270,9 @@ class GuardedStep:
             ids = {id(v) for v in direct}
             state = [v for v in state if id(v) not in ids]
         saved = [_read(v) for v in state]  # each replica its own copy
-        written = _read(self.written) if one else tf.convert_to_tensor(self.written)
-        consecutive = _read(self.consecutive) if one else tf.convert_to_tensor(self.consecutive)
+        buffer = self.buffer
+        written = _read(buffer.written) if one else tf.convert_to_tensor(buffer.written)
+        consecutive = _read(buffer.consecutive) if one else tf.convert_to_tensor(buffer.consecutive)
         halted = tf.raw_ops.GreaterEqual(x=consecutive, y=tf.constant(self.limit, tf.int32))
         slot.active, slot.loss, slot.multiplier_fn, slot.record, slot.halted = True, None, None, None, halted
         slot.late, slot.grads, slot.norms, slot.spike = [], {}, [], None
@@ -355,7 +324,7 @@ class GuardedStep:
                 spike, threshold = slot.spike
                 spike = tf.raw_ops.LogicalAnd(x=spike, y=finite)  # a non-finite step is not called a spike
             else:
-                spike, threshold = self._spike(loss, halted)
+                spike, threshold = self.loss_spikes.test(loss, halted)
                 spike = tf.raw_ops.LogicalAnd(x=spike, y=applied)  # a non-finite step is not called a spike
                 applied = tf.raw_ops.LogicalAnd(x=applied, y=tf.raw_ops.LogicalNot(x=spike))
         counts = self._counts(slot) if self.guard and self.variables else None
@@ -366,26 +335,27 @@ class GuardedStep:
             # found) finite itself.
             on_skip = None
             if counts is not None and self._few_weights():
-                self._write_counts(counts, written, applied)  # at every step: a few ops
+                buffer.write_counts(counts, written, applied, len(self.variables), True)  # at every step: a few ops
             elif counts is not None:
                 def on_skip(counts=counts):  # inside the update's conditional: no gradient waits for it
-                    self._write_counts(counts, written, None)
+                    buffer.write_counts(counts, written, None, len(self.variables), False)
             counts = None
             applied = slot.deferred.run(applied, self._direct(), on_skip)
         self._put_back(restored, applied, now)
         if spike is not None:
-            self._count_loss(loss, spike, threshold, tf.raw_ops.LogicalOr(x=applied, y=spike))
+            self.loss_spikes.count(loss, spike, threshold, tf.raw_ops.LogicalOr(x=applied, y=spike))
         if self.watch_logs and isinstance(logs, dict):
-            self._write_log_flags(logs, written)
+            buffer.write_log_flags(logs, written)
         spiked = tf.constant(0.0) if spike is None else tf.cast(spike, tf.float32)
         row = tf.stack([tf.cast(loss, tf.float32), tf.cast(norm, tf.float32), tf.cast(applied, tf.float32), scale,
                         spiked])
         # A spike is a finite step: it ends a run of non-finite ones, as an applied step does.
         ended = applied if spike is None else tf.raw_ops.LogicalOr(x=applied, y=spike)
         if one:
-            self._record_raw(row, counts, written, consecutive, halted, applied, ended)
+            buffer.record_raw(row, counts, written, consecutive, halted, applied, ended, len(self.variables),
+                              self._few_weights())
         else:
-            self._record(row, counts, written, consecutive, halted, applied, ended)
+            buffer.record(row, counts, written, consecutive, halted, applied, ended, len(self.variables))
         if isinstance(logs, dict):
             # Re-read after the restore: a skipped step leaves no trace in the logs.
             fresh = self.model.get_metrics_result()
@@ -395,127 +365,10 @@ class GuardedStep:
                 logs = self._last_good_logs(logs, applied)
         return self._per_worker_logs(logs)
 
-    def _write_log_flags(self, logs, written) -> None:
-        """Whether each floating logged value of the step was finite, into its row."""
-        keys = [k for k, v in logs.items() if tf.is_tensor(v) and v.dtype.is_floating]
-        if self.log_flags is None or self.log_keys != keys:
-            with tf.init_scope():
-                self.log_flags = tf.Variable(tf.ones([self.capacity, max(len(keys), 1)]), trainable=False,
-                                             name="guard_log_flags")
-            self.log_keys = keys
-        flags = [tf.cast(_all_finite([logs[k]]), tf.float32) for k in keys] or [tf.constant(1.0)]
-        index = tf.reshape(tf.minimum(written, self.capacity - 1), [1, 1])
-        tf.raw_ops.ResourceScatterNdUpdate(ref=self.log_flags.handle, indices=index,
-                                           updates=tf.expand_dims(tf.stack(flags), 0))
-
-    def nonfinite_logs(self, row: int) -> list[str]:
-        """The logged values that were not finite at ``row`` of the last drained records."""
-        if self.log_flags is None:
-            return []
-        flags = tf.convert_to_tensor(self.log_flags).numpy()[min(row, self.capacity - 1)]
-        return [key for key, flag in zip(self.log_keys, flags) if flag < 0.5]
-
-    def _write_counts(self, counts, written, applied) -> None:
-        """The step's NaN/Inf counts into its row of the buffer, unless ``applied``."""
-        if self.counts.shape[-1] != len(self.variables):
-            return
-        index = tf.reshape(tf.minimum(written, self.capacity - 1), [1, 1])
-
-        def write_counts():
-            tf.raw_ops.ResourceScatterNdUpdate(ref=self.counts.handle, indices=index, updates=tf.expand_dims(counts(), 0))
-            return tf.constant(0)
-
-        if self._few_weights() or applied is None:
-            write_counts()  # at every step (an applied step's counts are never read), or now
-        else:
-            tf.cond(applied, lambda: tf.constant(0), write_counts)
-
-    def _spike(self, loss, halted):
-        """Whether the step's loss is a spike, and the threshold it was tested against.
-
-        A spike: after :data:`SPIKE_WARMUP` counted steps, a finite loss above ``mean +
-        z * spread``, where ``mean`` and ``spread`` (the standard deviation, at least
-        :data:`SPIKE_MIN_SPREAD` times ``|mean|``) are the running statistics of
-        :meth:`_count_loss`. Both replicas and workers see the same (all-reduced) loss and
-        the same statistics, so they decide alike.
-        """
-        stats = _read(self.loss_stats) if self.replicas == 1 else tf.convert_to_tensor(self.loss_stats)
-        mean, variance, seen = stats[0], stats[1], stats[2]
-        loss = tf.cast(loss, tf.float32)
-        spread = tf.maximum(tf.sqrt(tf.maximum(variance, 0.0)), SPIKE_MIN_SPREAD * tf.abs(mean))
-        threshold = mean + self.spikes * spread
-        spike = tf.logical_and(
-            tf.logical_and(seen >= SPIKE_WARMUP, tf.math.is_finite(loss)),
-            tf.logical_and(loss > threshold, tf.logical_not(halted)),
-        )
-        return spike, threshold
-
-    def _count_loss(self, loss, spike, threshold, counted) -> None:
-        """The running mean and variance of the loss, moved by a counted step's loss: an
-        applied step's, or a spike's clipped to the threshold (a lasting change of level
-        is then accepted after some steps instead of skipped for ever).
-
-        ``d = x - mean; mean += a d; variance = (1 - a) (variance + a d**2)`` with ``a =
-        1 / min(seen + 1, SPIKE_WINDOW)``: the exact mean and variance of the first steps,
-        then exponential moving averages (West's weighted update, no square of the loss
-        itself, which could overflow).
-        """
-        one = self.replicas == 1
-        stats = _read(self.loss_stats) if one else tf.convert_to_tensor(self.loss_stats)
-        mean, variance, seen = stats[0], stats[1], stats[2]
-        value = tf.where(spike, threshold, tf.cast(loss, tf.float32))
-        value = tf.where(counted, value, mean)  # a step not counted moves nothing (and makes no NaN)
-        rate = 1.0 / tf.minimum(seen + 1.0, float(SPIKE_WINDOW))
-        d = value - mean
-        new = tf.stack([mean + rate * d, (1.0 - rate) * (variance + rate * d * d), seen + 1.0])
-        new = tf.where(counted, new, stats)
-        if one:
-            tf.raw_ops.AssignVariableOp(resource=self.loss_stats.handle, value=new)
-        else:
-            self.loss_stats.assign(new)
-
     def reset_loss_stats(self) -> None:
         """Forget the running loss statistics (after a rollback: the warm-up again)."""
-        if self.loss_stats is not None:
-            self.loss_stats.assign(tf.zeros([3]))
-
-    def _record_raw(self, row, counts, written, consecutive, halted, applied, ended=None) -> None:
-        """The step's row of records, on one replica: raw writes, and no conditional but
-        the counts' of a model of more than :data:`SELECT_LIMIT` weights (a halted step's
-        row lands past the last one :meth:`drain` reads)."""
-        index = tf.reshape(tf.minimum(written, self.capacity - 1), [1, 1])
-        tf.raw_ops.ResourceScatterNdUpdate(ref=self.records.handle, indices=index,
-                                           updates=tf.reshape(row, [1, COLUMNS]))
-        if counts is not None:
-            self._write_counts(counts, written, applied)
-        running = tf.cast(tf.raw_ops.LogicalNot(x=halted), tf.int32)
-        tf.raw_ops.AssignVariableOp(resource=self.written.handle, value=written + running)
-        following = tf.raw_ops.SelectV2(condition=applied if ended is None else ended, t=tf.zeros_like(consecutive),
-                                        e=consecutive + running)
-        tf.raw_ops.AssignVariableOp(resource=self.consecutive.handle, value=following)
-
-    def _record(self, row, counts, written, consecutive, halted, applied, ended=None) -> None:
-        """The step's row of records, under several replicas (Keras' assigns: the buffer
-        is a sync-on-read variable there)."""
-
-        def write():
-            index = tf.minimum(written, self.capacity - 1)
-            self.records.assign(tf.tensor_scatter_nd_update(tf.convert_to_tensor(self.records), [[index]], [row]))
-            if counts is not None and self.counts.shape[-1] == len(self.variables):
-
-                def write_counts():
-                    self.counts.assign(
-                        tf.tensor_scatter_nd_update(tf.convert_to_tensor(self.counts), [[index]], [counts()])
-                    )
-                    return tf.constant(0)
-
-                tf.cond(applied, lambda: tf.constant(0), write_counts)
-            self.written.assign(written + 1)
-            ended_ = applied if ended is None else ended
-            self.consecutive.assign(tf.where(ended_, tf.zeros_like(consecutive), consecutive + 1))
-            return tf.constant(0)
-
-        tf.cond(halted, lambda: tf.constant(0), write)
+        if self.loss_spikes is not None:
+            self.loss_spikes.reset()
 
     def _put_back(self, restored, applied, now=None) -> None:
         """Every variable of ``restored`` to its value before the step, unless ``applied``.
@@ -703,7 +556,7 @@ class GuardedStep:
             applied = tf.logical_and(finite, tf.logical_not(slot.halted))
             if self.spikes is not None and slot.loss is not None:
                 # A loss spike skips the update's conditional too (the step's end reuses it).
-                slot.spike = self._spike(loss, slot.halted)
+                slot.spike = self.loss_spikes.test(loss, slot.halted)
                 applied = tf.logical_and(applied, tf.logical_not(slot.spike[0]))
         else:  # masked: the step's end tests the loss, the norm and what the step wrote
             applied = tf.raw_ops.LogicalNot(x=slot.halted)
@@ -807,21 +660,15 @@ class GuardedStep:
     # -- the host side -------------------------------------------------------------------
 
     def reset(self, consecutive: int = 0) -> None:
-        self.written.assign(0)
-        self.consecutive.assign(consecutive)
+        self.buffer.reset(consecutive)
 
     def drain(self) -> tuple[np.ndarray, np.ndarray | None]:
-        """The records of the steps run since the last drain, and their NaN/Inf counts.
+        """The records of the steps run since the last drain, and their NaN/Inf counts."""
+        return self.buffer.drain(self.guard)
 
-        Three small eager reads and one write per host call (a traced function would
-        cost more to trace than all the reads of a short run).
-        """
-        n = min(int(tf.convert_to_tensor(self.written).numpy()), self.capacity)
-        records = tf.convert_to_tensor(self.records).numpy()[:n]
-        self.written.assign(0)
-        if not self.guard or records[:, APPLIED].all():
-            return records, None
-        return records, tf.convert_to_tensor(self.counts).numpy()[:n]
+    def nonfinite_logs(self, row: int) -> list[str]:
+        """The logged values that were not finite at ``row`` of the last drained records."""
+        return self.buffer.nonfinite_logs(row)
 
 
 def _random_state(model) -> list:
@@ -860,74 +707,6 @@ def model_optimizers(model) -> list:
             else:
                 add(value)
     return found
-
-
-def _float_values(logs, scalars: bool = False) -> list:
-    values = [v for v in tf.nest.flatten(logs) if tf.is_tensor(v) and v.dtype.is_floating]
-    if scalars:
-        values = [v for v in values if v.shape.rank == 0] or values
-    return values
-
-
-def _read(variable) -> tf.Tensor:
-    """The variable's value, read straight from its handle (a Keras or a TensorFlow variable)."""
-    return tf.raw_ops.ReadVariableOp(resource=variable.handle, dtype=tf.as_dtype(variable.dtype))
-
-
-#: The shape of a flattened tensor.
-_FLAT = np.array([-1], np.int32)
-
-
-def _entries(values) -> int:
-    """How many entries ``values`` hold (an unknown shape counts as more than
-    :data:`SELECT_LIMIT`)."""
-    return sum(v.shape.num_elements() if v.shape.num_elements() is not None else SELECT_LIMIT + 1 for v in values)
-
-
-def _all_finite(values, flatten: bool = False) -> tf.Tensor:
-    """Whether every entry of every floating tensor or variable of ``values`` is finite
-    (raw ops: a test per tensor, and one for them all). With ``flatten``, the small
-    tensors of each dtype are concatenated and tested at once: fewer ops to trace and to
-    run, for tensors small enough that the copy costs less than the ops it saves.
-
-    A tensor of more than :data:`SELECT_LIMIT` entries is tested by its sum first (a sum
-    is finite only if every entry is: a NaN or an infinity survives any sum), a pass with
-    no temporary the size of the tensor; only if some sum is not finite (a non-finite
-    entry, or finite entries whose sum overflows) are they tested entry by entry."""
-    values = [tf.convert_to_tensor(v) for v in values]
-    values = [v for v in values if v.dtype.is_floating]
-    large = [v for v in values if v.shape.num_elements() is not None and v.shape.num_elements() > SELECT_LIMIT]
-    if not large:
-        return _entries_finite(values, flatten)
-    ids = {id(v) for v in large}
-    small = [v for v in values if id(v) not in ids]
-    sums = [tf.raw_ops.Sum(input=v, axis=list(range(v.shape.rank))) for v in large]
-    quick = _entries_finite(sums)
-    large_finite = tf.cond(quick, lambda: tf.constant(True), lambda: _entries_finite(large))
-    if not small:
-        return large_finite
-    return tf.raw_ops.LogicalAnd(x=_entries_finite(small, flatten), y=large_finite)
-
-
-def _entries_finite(values, flatten: bool = False) -> tf.Tensor:
-    """Whether every entry of the floating tensors ``values`` is finite, entry by entry."""
-    flags = []
-    if flatten:
-        groups: dict = {}
-        for value in values:
-            groups.setdefault(value.dtype, []).append(tf.raw_ops.Reshape(tensor=value, shape=_FLAT))
-        values = [parts[0] if len(parts) == 1 else tf.raw_ops.ConcatV2(values=parts, axis=0)
-                  for parts in groups.values()]
-    for value in values:
-        flag = tf.raw_ops.IsFinite(x=value)
-        if value.shape.rank != 0:
-            rank = value.shape.rank
-            axis = list(range(rank)) if rank is not None else tf.range(tf.rank(value))
-            flag = tf.raw_ops.All(input=flag, axis=axis)
-        flags.append(flag)
-    if not flags:
-        return tf.constant(True)
-    return flags[0] if len(flags) == 1 else tf.raw_ops.All(input=tf.raw_ops.Pack(values=flags), axis=0)
 
 
 #: The models whose ``fit`` runs a guarded step now (``train``'s, or the NaN doctor's).
