@@ -61,16 +61,18 @@ class Diagnosis:
         epoch: the epoch (0-based) of the ``fit`` or ``train`` step, when the doctor ran
             inside one (``batch`` is then counted within that epoch); else ``None``.
         remedy: the first remedy for this case, from the op and its context: the call
-            to write instead on the user's line (a clamp of the op's input), a float16
-            layer's float32 policy, the batch without its NaN rows, or for a
-            divergence the optimizer with a learning rate ten times smaller or else
-            with ``clipnorm=1.0`` (the first that verifies); ``None`` if none.
+            or statement to write instead on the user's line (a clamp of the op's
+            input, a double ``where``, ``softplus``), a float16 layer's float32 policy,
+            the batch without its NaN rows, labels shifted or weighted out, a
+            learning-rate schedule fixed, or for a divergence the optimizer with a
+            learning rate ten times smaller or else with ``clipnorm=1.0``: of the
+            remedies the doctor has for the case, the first that verifies; ``None``
+            if none.
         verified: what the doctor found when it applied that remedy to a copy of the
-            failing step (``companion.diagnostics.remedies`` says how, for each
-            kind): ``"verified: the step is finite with ..."`` or ``"not verified:
-            ..."`` and why; ``None`` when the remedy is not one mechanical change (a
-            double ``where``, a formula replaced by ``softplus``) and nothing was
-            checked.
+            failing step, or of the steps up to it (``companion.diagnostics.remedies``
+            says how, for each kind): ``"verified: the step is finite with ..."`` or
+            ``"not verified: ..."`` and why; ``None`` when the doctor could not apply
+            it (a choice for a library function's input) and nothing was checked.
 
     A diagnosis made by :func:`diagnose` (and so by :class:`NaNDoctor` and ``train``)
     also keeps the failing step's state in memory: :meth:`save` writes it to a file

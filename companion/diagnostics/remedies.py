@@ -14,6 +14,16 @@ case's, where it is mechanical and can be tried on the failing step itself:
 * values that grew over the previous steps (``divergence``): the optimizer as compiled
   with a learning rate ten times smaller, or else with ``clipnorm=1.0`` (written as the
   call to make): the first of the two that verifies;
+* a learning rate at or below 0, or a schedule that explodes or keeps rising
+  (``learning_rate``, read by :func:`from_the_run` from the schedule's rates up to the
+  failing step): the schedule fixed (a Keras schedule's argument, or the ``return``
+  line of the user's own schedule clipped into the rates it gave before), else
+  ``clipnorm=1.0``; never a rate ten times smaller, which a negative rate keeps;
+* targets as large as the model's own outputs on the same inputs
+  (``bootstrapped_targets``): ``clipnorm=1.0``;
+* a label outside the logits' classes (``label_out_of_range``): the labels shifted to
+  start at 0 where they are a block of as many labels as classes, else the labels
+  outside weighted 0;
 * anything else: :func:`~companion.diagnostics.rewrites.choose` writes the call to write instead on the user's own line,
   from the op (for a gradient op, the forward op), the cause, and the line's text and
   the two after it (where the op's input came from: a norm in a denominator, an
@@ -50,11 +60,19 @@ patched function are put back afterwards, also when the re-run fails. What is ve
 * ``jit_compile=False`` for a step that only XLA makes non-finite: the step re-run
   compiled without XLA.
 
-A remedy that is not a mechanical rewrite of one call (a double ``where``, a finite
-mask instead of ``-inf``, ``softplus``/``softmax``/``l2_normalize`` for a formula, a
-choice for a library function's input) is printed with no ``verified`` (no claim), and
-so is a clamp whose call the re-run never made from that line. A failure of the check
-itself is a ``"not verified: ..."`` sentence, never an exception.
+* a rewritten statement (a double ``where``, ``log(1 + exp(x))`` as ``softplus``,
+  ``exp(x) / reduce_sum(exp(x))`` as ``softmax``, ``x / norm(x)`` as ``l2_normalize``, a
+  finite mask instead of ``-inf``): the failing step re-run eagerly with the code of the
+  function that holds the line compiled again from its source with that statement
+  rewritten as printed (:class:`~companion.diagnostics.rewrites.LineRewrite`), and put
+  back afterwards.
+
+Where a case has several remedies (:func:`candidates`), each is checked in turn and the
+first that verifies is printed first; where none does, the first is printed with what
+every check found. A remedy the doctor cannot apply (a choice for a library function's
+input) is printed with no ``verified`` (no claim), and so is a clamp whose call the
+re-run never made from that line. A failure of the check itself is a ``"not verified:
+..."`` sentence, never an exception.
 """
 
 from __future__ import annotations

@@ -809,16 +809,7 @@ FIXED = {
 
 #: The reported cases whose first remedy is not one mechanical change, so the doctor claims
 #: nothing (``verified`` is None), and why; every other case's remedy is verified.
-NOT_MECHANICAL = {
-    "where_log": "a double where rewrites the whole tf.where expression, not one call",
-    "where_exp_overflow": "a double where",
-    "where_pow_exp": "a double where",
-    "where_reciprocal": "a double where",
-    "naive_softplus": "log(1 + exp(x)) replaced by softplus: a formula, not a clamp of one call",
-    "naive_softmax": "exp(x) / reduce_sum(exp(x)) replaced by softmax: a formula",
-    "cosine_of_zero_vector": "x / norm(x) replaced by l2_normalize: a formula",
-    "masked_attention_row": "-inf replaced by a finite constant: a literal on the line, not a call",
-}
+NOT_MECHANICAL: dict[str, str] = {}  # every first remedy is checked now, the rewritten lines too (issue 42)
 
 #: What the doctor's check says it applied, for each mechanical first remedy.
 VERIFIED_WITH = {
@@ -835,6 +826,15 @@ VERIFIED_WITH = {
     "complex_angle": "angle's input moved by 1.19e-07 at",
     "atan2_at_origin": "atan2's x moved by 1.19e-07 at",
     "lgamma_at_zero": "lgamma's input clamped at 1.19e-07 at",
+    # a rewritten line: the function's statement rewritten as printed, for one re-run
+    "where_log": "the double where (safe value 1.0) at",
+    "where_exp_overflow": "the double where (safe value 1.0) at",
+    "where_pow_exp": "the double where (safe value 1.0) at",
+    "where_reciprocal": "the double where (safe value 1.0) at",
+    "naive_softplus": "log(1 + exp(x)) rewritten as tf.nn.softplus(x) at",
+    "naive_softmax": "exp(x) / reduce_sum(exp(x)) rewritten as tf.nn.softmax(x, axis) at",
+    "cosine_of_zero_vector": "x / norm(x) rewritten as tf.math.l2_normalize(x, axis) at",
+    "masked_attention_row": "-inf replaced by -1e+09 at",
 }
 
 
