@@ -152,88 +152,61 @@ def train(
 ) -> TrainingHistory:
     """``model.fit``, skipping every step whose loss, gradients or writes are not finite.
 
-    ``train`` *is* ``fit``: it runs Keras' own ``model.fit`` with every argument ``fit``
-    takes (``x`` ... ``validation_freq``, same names, same meaning), after compiling the
-    model with ``compile``'s arguments when any is given (``loss`` ... ``auto_scale_loss``;
-    a model compiled by the user is trained as compiled), and with a guarded step
-    installed for the call: the model's own ``train_step`` (Keras', or an override such
-    as a GAN's or a VAE's), skipped on every replica and worker when its loss, its
-    gradients, a value it logs or anything it wrote is not finite. A skipped step changes
-    nothing and is reported in the returned history, never in the logs. It runs under
-    any ``tf.distribute`` strategy (``MultiWorkerMirroredStrategy`` included), with XLA,
-    mixed precision and epoch-end checkpoints.
-
-    See the chapter *A training loop that survives NaN* (``book/tools/training_loop``) for
-    the design and its cost, *Training across machines*
-    (``book/tools/training_across_machines``) for several workers, and the reference page
-    *Differences from fit* (``book/reference/differences_from_fit``) for what still differs.
+    ``train`` *is* ``fit``: Keras' own ``model.fit`` with every argument ``fit`` takes,
+    after ``compile`` with ``compile``'s arguments when one is given, and with a guarded
+    step installed for the call: the model's own ``train_step`` (Keras', a GAN's, a
+    VAE's), skipped on every replica and worker when its loss, its gradients, a value it
+    logs or anything it wrote is not finite. A skipped step changes nothing and is
+    reported in the returned history, never in the logs. Any ``tf.distribute`` strategy,
+    XLA, mixed precision, epoch-end checkpoints. Design and cost: the chapter *A training
+    loop that survives NaN*; several workers: *Training across machines*; what differs
+    from ``fit``: the reference page *Differences from fit*.
 
     Args:
         model: a Keras model (or a layer with Keras' ``Trainer`` mixed in).
-        x, y, batch_size, epochs, verbose, callbacks, shuffle: as for ``model.fit``
-            (``x`` may be a ``tf.data.Dataset`` of ``(inputs, targets[,
-            sample_weights])``, arrays, a generator or a ``PyDataset``).
-        validation_split, validation_data, validation_steps: as for ``model.fit``.
-        validation_batch_size, validation_freq: as for ``model.fit``.
-        class_weight, sample_weight, initial_epoch, steps_per_epoch: as for
-            ``model.fit``.
-        loss, optimizer, metrics, loss_weights, weighted_metrics: as for
-            ``model.compile``; if ``loss`` or ``optimizer`` is given the model is
-            compiled with all of ``compile``'s arguments (again only when they
-            changed), else it must be compiled already. A
-            :class:`~companion.optimizers.SkipNonFinite` optimizer is unwrapped
-            (``train`` guards by itself).
-        run_eagerly, steps_per_execution, jit_compile, auto_scale_loss: as for
-            ``model.compile`` (see ``loss``).
-        strategy: a ``tf.distribute.Strategy``; default: the model's. The model and the
-            optimizer must be created under its scope.
-        clip_global_norm: if given (> 0), finite gradients are rescaled so that their
-            global norm is at most this value (:func:`tf.clip_by_global_norm`
-            semantics). Non-finite gradients are never clipped, which would spread one
-            NaN to every variable. The optimizer's own ``clipnorm``, ``clipvalue`` and
-            ``global_clipnorm`` act as in ``fit``, after this.
+        x ... validation_freq: ``model.fit``'s arguments, same names and meaning.
+        loss ... auto_scale_loss: ``model.compile``'s; if ``loss`` or ``optimizer`` is
+            given the model is compiled (again only when they changed), else it must be
+            compiled already. A :class:`~companion.optimizers.SkipNonFinite` is
+            unwrapped (``train`` guards by itself).
+        strategy: a ``tf.distribute.Strategy`` (default: the model's); the model and
+            the optimizer must be created under its scope.
+        clip_global_norm: if given (> 0), finite gradients are rescaled to this global
+            norm at most (:func:`tf.clip_by_global_norm`); non-finite ones never are.
+            The optimizer's own clipping acts as in ``fit``, after this.
         on_nonfinite: ``"skip"`` (skip the step and go on), ``"raise"`` (raise
-            :class:`NonFiniteError` at the first non-finite step, which is not applied
-            either), ``"rollback"`` (skip; see ``max_rollbacks``) or ``"ignore"`` (no
-            guard: every step is applied, NaN included, as ``fit`` does).
+            :class:`NonFiniteError` at the first non-finite step, not applied either),
+            ``"rollback"`` (skip; see ``max_rollbacks``) or ``"ignore"`` (no guard:
+            every step applied, NaN included, as ``fit`` does).
         max_consecutive_nonfinite: with ``"skip"``, raise :class:`NonFiniteError` after
-            this many consecutive non-finite steps (>= 1); the weights are then exactly
-            those of the last good step (no later step of the same host call applies).
+            this many consecutive non-finite steps (>= 1), with the weights of the last
+            good step.
         max_rollbacks, rollback_lr_factor: with ``"rollback"``, instead of that error:
-            restore the state of the last good epoch start (weights and optimizer
-            state, kept on the host), multiply every optimizer's learning rate by the
-            factor (0 < f < 1; a schedule is wrapped) and go on with the next batches
-            (``fit`` cannot rewind its data); after ``max_rollbacks`` rollbacks, raise
-            with that state in place. Where the NaN doctor puts the cause in the data or
-            a function's domain, raise at once. Recorded in ``history.rollbacks``.
+            restore the last good snapshot (weights, optimizer state, the step's small
+            state; kept on the host), multiply every optimizer's learning rate by the
+            factor (0 < f < 1; a schedule is wrapped) and go on; after ``max_rollbacks``
+            rollbacks, raise with that state in place. Where the NaN doctor puts the
+            cause in the data or a function's domain, raise at once. Each rollback is
+            recorded in ``history.rollbacks``.
         skip_loss_spikes: ``z`` or ``None``: also skip (``reason="spike"``) a step whose
-            finite loss is over ``z`` running standard deviations above the running mean
-            of the applied steps' losses (after 20 steps; decided on the device). A spike
-            does not count toward ``max_consecutive_nonfinite``.
+            finite loss is over ``z`` running standard deviations above the running
+            mean of the applied steps' losses (after 20 steps; decided on the device).
         checkpoint_dir: directory for epoch-end checkpoints, or ``None``.
-        on_worker_loss: what happens to this process after :class:`WorkerLostError`:
-            ``"exit"`` (it ends with exit code 1 at interpreter exit, without
-            TensorFlow's teardown, and at the latest 30 s after the error, so that a
-            scheduler can restart the job: TensorFlow's runtime can otherwise keep it
-            alive, blocked on the lost peer) or ``"raise"`` (only raise).
+        on_worker_loss: after :class:`WorkerLostError`, ``"exit"`` (exit code 1 at
+            interpreter exit, at the latest 30 s after the error, so that a scheduler
+            can restart the job) or ``"raise"`` (only raise).
 
     Returns:
-        A :class:`TrainingHistory`: the ``keras.callbacks.History`` of the run (``fit``'s
-        ``history``, ``epoch``, ``params``; ``model.history`` is it), plus the loss,
-        gradient norm and finiteness of every step and a report per skipped step.
+        A :class:`TrainingHistory`: ``fit``'s ``History`` (``model.history`` is it), plus
+        every step's loss, gradient norm and finiteness, and a report per skipped step.
 
     Raises:
-        TypeError: if ``model`` is not a Keras model, an argument has the wrong type, or
-            ``loss`` and ``optimizer`` are missing for a model that is not compiled
-            (``fit`` and ``compile`` raise their own errors for their arguments).
-        ValueError: if a guard argument is out of range, a Keras loss would compare
-            predictions with the wrong targets, the model was not created under the
-            strategy's scope, or ``checkpoint_dir`` holds a checkpoint of another model.
-            All of these are raised before any step runs.
-        NonFiniteError: see ``on_nonfinite``, ``max_consecutive_nonfinite`` and
-            ``max_rollbacks``.
-        WorkerLostError: under a multi-worker strategy, when another worker crashed or
-            stopped responding.
+        TypeError, ValueError: for a wrong argument, a missing loss or optimizer, a Keras
+            loss that would compare predictions with the wrong targets, a model not made
+            under the strategy's scope or another model's checkpoint: before any step.
+        NonFiniteError: see ``on_nonfinite``, ``max_consecutive_nonfinite``, ``max_rollbacks``.
+        WorkerLostError: when another worker of a multi-worker run crashed or stopped
+            responding.
 
     Example:
         >>> model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])

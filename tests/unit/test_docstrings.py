@@ -74,3 +74,15 @@ def test_the_examples_of_the_training_and_diagnostics_api_are_collected():
         "companion.losses.mean_loss",
     }
     assert expected <= names, sorted(expected - names)
+
+
+def test_train_docstring_is_a_reference_of_at_most_seventy_lines():
+    """``train``'s docstring is its reference (arguments, returns, raises, one example);
+    the design and its reasons live in the chapter it names (issue 41)."""
+    import inspect
+
+    from companion.training import train
+
+    lines = inspect.getdoc(train).splitlines()
+    assert len(lines) <= 70, len(lines)
+    assert "A training loop that survives NaN" in inspect.getdoc(train)
