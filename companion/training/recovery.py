@@ -10,14 +10,14 @@ non-finite steps names a cause in the data or in a function's domain
 (:data:`RATE_CANNOT_CURE`), ``train`` stops at once with that diagnosis.
 
 The state restored is a snapshot taken at the start of the first epoch, and again at the
-start of every epoch that follows one without a non-finite step and with a mean loss at
-most :data:`SNAPSHOT_GROWTH` times the lowest so far (a run diverges with finite, growing
-losses for a while before its first NaN), and within an epoch every
-:data:`SNAPSHOT_EVERY_STEPS` steps (at the end of the first host call that reaches them)
-on the same terms: no non-finite step since the last snapshot, and a mean loss of the
-steps since then at most :data:`SNAPSHOT_GROWTH` times the lowest such mean so far. It is
-a state from before the run began to diverge, not the state after the last good step,
-whose weights are already on their way out. It
+start of every later epoch, and within an epoch every :data:`SNAPSHOT_EVERY_STEPS` steps
+(at the end of the first host call that reaches them), when the state is good: no
+non-finite step since the last snapshot (or rollback), and the mean loss of the last
+:data:`SNAPSHOT_WINDOW` applied steps at most :data:`SNAPSHOT_GROWTH` times the lowest
+such mean so far (a run diverges with finite, growing losses for a while before its first
+NaN: an epoch at a rate too large can end finite, its loss grown by orders of magnitude).
+It is a state from before the run began to diverge, not the state after the last good
+step, whose weights are already on their way out. It
 holds every variable of the model (weights, non-trainable state such as batch-norm
 statistics) and of every optimizer (moments, iteration counter), but not the learning
 rates (the rollback sets them), the random state (as for a skipped step), a dynamic loss
@@ -35,6 +35,7 @@ records, and :attr:`TrainingHistory.rollbacks` says which steps were undone.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from typing import Any, Callable
@@ -60,9 +61,13 @@ RATE_CANNOT_CURE = frozenset({
     "singular_derivative", "where_trap",
 })
 
-#: A snapshot replaces the last one only after an epoch whose mean loss is at most this
-#: many times the lowest epoch loss so far (and that had no non-finite step).
+#: A snapshot replaces the last one only when the mean loss of the last
+#: :data:`SNAPSHOT_WINDOW` applied steps is at most this many times the lowest such mean so
+#: far (and no step since the last snapshot was non-finite).
 SNAPSHOT_GROWTH = 2.0
+
+#: The applied steps whose mean loss tells whether the state is good enough for a snapshot.
+SNAPSHOT_WINDOW = 16
 
 #: Within an epoch, a snapshot is considered every this many steps (``None``: at epoch
 #: starts only). Long epochs then lose at most this many steps to a rollback; each
@@ -193,10 +198,12 @@ class Recovery:
         self.saved: list[tuple[Any, np.ndarray]] | None = None
         self.saved_step = 0
         self.run = 0  # the non-finite steps in a row, counted on the host
-        self.clean = True  # no non-finite step in this epoch so far
         self.window = 0  # the first step since the last snapshot (or rollback) was taken
         self.clean_since_snapshot = True  # no non-finite step since then
-        self.lowest_window: float | None = None  # the lowest mean loss between snapshots
+        # The losses of the last applied steps (since the last rollback), and the lowest
+        # mean of SNAPSHOT_WINDOW consecutive ones so far.
+        self.recent: collections.deque = collections.deque(maxlen=SNAPSHOT_WINDOW)
+        self.lowest: float = float("inf")
 
     # -- the snapshot --------------------------------------------------------------------
 
@@ -226,38 +233,24 @@ class Recovery:
         """At the start of ``fit``: the run of non-finite steps a resumed history ends with."""
         self.run = self.history.trailing_nonfinite()
 
+    def good(self) -> bool:
+        """Whether the state now is good enough for a snapshot: no non-finite step since the
+        last snapshot (or rollback), and the mean loss of the last applied steps at most
+        :data:`SNAPSHOT_GROWTH` times the lowest such mean so far."""
+        if not self.clean_since_snapshot or self.run or not self.recent:
+            return False
+        return float(np.mean(self.recent)) <= SNAPSHOT_GROWTH * self.lowest
+
     def take(self) -> None:
-        """The snapshot, at the start of an epoch, if the state is good: the first, or
-        after an epoch without a non-finite step whose mean loss is at most
-        :data:`SNAPSHOT_GROWTH` times the lowest epoch loss so far (a run diverges with
-        finite, growing losses for a while before the first NaN)."""
-        losses = [v for v in self.history.epoch_loss if np.isfinite(v)]
-        last = self.history.epoch_loss[-1] if self.history.epoch_loss else float("nan")
-        clean, self.clean = self.clean, True
-        if self.saved is not None and not (
-            clean and not self.run and np.isfinite(last) and last <= SNAPSHOT_GROWTH * min(losses)
-        ):
-            return
-        self._snapshot()
+        """At the start of an epoch: the snapshot, the first, or if the state is good."""
+        if self.saved is None or self.good():
+            self._snapshot()
 
     def take_within_epoch(self) -> None:
         """After a host call: the snapshot, if ``every`` steps have passed since the last
-        one (or the last rollback), none of them non-finite, and their mean loss (of the applied steps) is at
-        most :data:`SNAPSHOT_GROWTH` times the lowest such mean so far."""
-        history = self.history
-        if not self.every or self.saved is None or history.steps - self.window < self.every:
-            return
-        if not self.clean_since_snapshot or self.run:
-            return
-        skipped = set(history.skipped)
-        losses = [history.step_loss[i] for i in range(self.window, history.steps) if i not in skipped]
-        mean = float(np.mean(losses)) if losses else float("nan")
-        if not np.isfinite(mean):
-            return
-        if self.lowest_window is not None and mean > SNAPSHOT_GROWTH * self.lowest_window:
-            return
-        self.lowest_window = mean if self.lowest_window is None else min(self.lowest_window, mean)
-        self._snapshot()
+        one (or the last rollback) and the state is good."""
+        if self.every and self.saved is not None and self.history.steps - self.window >= self.every and self.good():
+            self._snapshot()
 
     def _snapshot(self) -> None:
         """Every copy of every variable into the host's copy (its arrays reused when their
@@ -304,13 +297,18 @@ class Recovery:
                 break
             if report.reason == "nonfinite":
                 bad.add(report.step)
-        self.clean = self.clean and not bad
         self.clean_since_snapshot = self.clean_since_snapshot and not bad
+        skipped = set(history.skipped[-(history.steps - start):]) if history.steps > start else set()
         failed = None
         for index in range(start, history.steps):
             self.run = self.run + 1 if index in bad else 0
             if failed is None and self.run >= self.limit:
                 failed = index
+            loss = history.step_loss[index]
+            if index not in skipped and np.isfinite(loss):
+                self.recent.append(loss)
+                if len(self.recent) == self.recent.maxlen or not np.isfinite(self.lowest):
+                    self.lowest = min(self.lowest, float(np.mean(self.recent)))
         if failed is None:
             self.take_within_epoch()
         return failed
@@ -353,6 +351,7 @@ class Recovery:
         self.step.reset_loss_stats()
         self.run = 0
         self.window, self.clean_since_snapshot = history.steps, True  # the state is the snapshot's
+        self.recent.clear()
         if retrace:
             self.model.make_train_function(force=True)  # the schedule is read in the traced step
         if self.verbose:
