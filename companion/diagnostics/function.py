@@ -9,6 +9,7 @@ import numpy as np
 import tensorflow as tf
 
 from companion._gradients import gradient_values
+from companion.diagnostics.causes import CAUSES
 from companion.diagnostics.diagnosis import Diagnosis, from_event, keep_state
 from companion.diagnostics.rewrites import choice, verify_clamp
 from companion.diagnostics.step import culprit
@@ -95,9 +96,61 @@ def diagnose_function(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Diag
             event, tracer, index=None, variables=(), disagreement=None, loss_finite=event.backward, losses_before=()
         )
     remedy, verified = _remedy(found, tracer, fn, args, kwargs)
+    if remedy is None and found.cause in ("overflow", "inf_arithmetic") and _grown(found):
+        remedy, verified = GROWN_REMEDY, GROWN_CHECK
+        again = _called_twice(tracer)
+        if again is not None:  # the same layer's outputs on two inputs, both that large: targets from itself
+            cause = CAUSES["bootstrapped_targets"]
+            found = dataclasses.replace(found, cause="bootstrapped_targets", fix=cause.fix, section=cause.section,
+                                        inputs_summary=f"{again}; {found.inputs_summary}")
     if remedy is not None:
         found = dataclasses.replace(found, remedy=remedy, verified=verified)
     return keep_state(found, _arguments_state(args, kwargs))
+
+
+#: The remedy for values that grew over earlier calls of the step until one overflowed.
+GROWN_REMEDY = ("bound each step: tf.clip_by_global_norm(gradients, 1.0) before the optimizer applies them (or "
+                "clipnorm=1.0 in it); targets made from the model's own outputs (Q-learning, TD): a target network "
+                "copied every N steps, and rewards scaled to about 1")
+
+#: What the doctor can say of it: the one call it has cannot show a cure.
+GROWN_CHECK = ("not verified: diagnose_function runs this one call of the step, on values that earlier calls made "
+               "that large; the steps that made them are not in it (run the loop again with the remedy)")
+
+
+def _grown(found) -> bool:
+    """Whether the op overflowed from inputs already beyond the fourth root of the dtype's largest value."""
+    import re  # noqa: PLC0415
+
+    largest = re.search(r"largest \|input\| ([0-9.e+-]+)", found.inputs_summary or "")
+    limit = float(np.finfo(np.float32).max) ** 0.25
+    return largest is not None and float(largest.group(1)) >= limit
+
+
+def _called_twice(tracer) -> str | None:
+    """A layer whose forward op ran on two inputs in the step with outputs beyond the fourth root of float32's max.
+
+    A Q-learning step calls its network on the states and on the next states (the
+    targets ``r + gamma * max Q(s')``): when both are that large, the targets grew
+    with the outputs they were made from.
+    """
+    limit = float(np.finfo(np.float32).max) ** 0.25
+    runs: dict = {}
+    for tensor in tracer._alive:
+        record = tracer._by_output.get(id(tensor))
+        if record is None or record.layer is None or record.op_type not in ("MatMul", "BatchMatMulV2", "Einsum"):
+            continue
+        try:
+            value = np.asarray(tensor.numpy(), np.float64)
+        except Exception:  # noqa: BLE001 - not a value
+            continue
+        runs.setdefault(record.layer, []).append(float(np.max(np.abs(value))) if value.size else 0.0)
+    for layer, sizes in runs.items():
+        large = [v for v in sizes if v >= limit]
+        if len(large) >= 2:
+            return (f"{layer} ran {len(sizes)} times in the step, its outputs up to {max(large):.3g} on "
+                    f"{len(large)} of them (targets made from the model's own outputs grow with them)")
+    return None
 
 
 def _finite_run(fn, args, kwargs) -> tuple[bool, OpTracer]:

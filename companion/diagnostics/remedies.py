@@ -628,7 +628,8 @@ def from_the_run(d, model, x, y):
         summary = rate_cause(rates_to(optimizer))
         if summary is not None:
             found = "learning_rate", summary
-    if found is None and y is not None and not isinstance(y, (dict, list, tuple)):
+    inputs_finite = not nonfinite_data((x,))  # a NaN in the inputs reaches targets and outputs alike
+    if found is None and y is not None and not isinstance(y, (dict, list, tuple)) and inputs_finite:
         outputs = _outputs(model, x)
         summary = None if outputs is None else bootstrapped(np.asarray(y), outputs)
         if summary is not None:

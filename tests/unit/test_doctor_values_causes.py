@@ -363,3 +363,52 @@ def test_q_learning_targets_that_grow_with_the_q_values_are_bootstrapped_targets
     assert "  checked:   not verified:" in str(d)
     _, failing = _q_learning(clipnorm=1.0)  # as printed
     assert failing is None
+
+
+def _q_step(q):
+    def step(states, actions, rewards, after):
+        targets = rewards + 0.99 * tf.reduce_max(q(after), axis=1)
+        with tf.GradientTape() as tape:
+            taken = tf.reduce_sum(q(states) * tf.one_hot(actions, 2), axis=1)
+            loss = tf.reduce_mean(tf.square(targets - taken))  # <- td
+        return loss, tape.gradient(loss, q.trainable_variables)
+
+    return step
+
+
+def _custom_q_learning(clip: bool, steps=400):
+    """A custom tf.function Q-learning loop; the failing step's arguments, or ``None`` if every step is finite."""
+    keras.utils.set_random_seed(0)
+    q = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, use_bias=False, name="q")], name="agent")
+    optimizer = keras.optimizers.SGD(0.2)
+    step, rng = _q_step(q), np.random.default_rng(0)
+    compiled = tf.function(step)
+    for _ in range(steps):
+        states = rng.uniform(0.5, 1.0, size=(8, 4)).astype("float32")
+        batch = (states, rng.integers(2, size=8), (rng.normal(size=8) * 0.1).astype("float32"), 1.5 * states)
+        loss, gradients = compiled(*batch)
+        if not np.isfinite(loss.numpy()):
+            return step, batch
+        if clip:  # the remedy, as printed
+            gradients, _ = tf.clip_by_global_norm(gradients, 1.0)
+        optimizer.apply(gradients, q.trainable_variables)
+    return None
+
+
+def test_a_custom_q_learning_loop_that_overflows_is_bootstrapped_targets_and_bounded_steps_cure():
+    """keras-rl/keras-rl#28 (https://github.com/keras-rl/keras-rl/issues/28).
+
+    A deep Q-learning agent's loss climbs (6.6e3, 8.7e3, 1.6e7, ...) and its actions
+    turn NaN: "the reward is blowing up". Rebuilt as a custom ``tf.function`` loop whose
+    targets are ``r + 0.99 * max Q(s')``: after about two hundred steps the squared TD
+    error overflows. The doctor called it an overflow and printed no remedy.
+    """
+    step, batch = _custom_q_learning(clip=False)
+    d = diagnose_function(step, *batch)
+    assert (d.cause, d.source) == ("bootstrapped_targets", marked("td")), str(d)
+    assert d.op in ("Mean", "Square", "Sum"), str(d)
+    assert "agent/q ran 2 times in the step" in d.inputs_summary, d.inputs_summary
+    assert d.remedy.startswith("bound each step: tf.clip_by_global_norm(gradients, 1.0) before the optimizer "
+                               "applies them"), d.remedy
+    assert d.verified.startswith("not verified: diagnose_function runs this one call of the step"), d.verified
+    assert _custom_q_learning(clip=True) is None  # as printed: every step finite
