@@ -15,6 +15,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from companion._internal.keras_trainer import own_step_unbuilt
 from companion.diagnostics.state import components
 from companion.losses import check_keras_loss_shapes, resolve_loss
 
@@ -57,6 +58,24 @@ def check_finite_weights(model: keras.Model) -> None:
             "tf.math.divide_no_nan for a spread that can be 0); companion.diagnostics.diagnose names the "
             "layer and the line"
         )
+
+
+def built_by_its_first_step(model: keras.Model) -> bool:
+    """Whether ``model`` is left unbuilt until its first ``train_step``, as ``fit`` leaves it.
+
+    A model with its own ``train_step`` and a layer not built yet: its ``call()`` may take
+    other inputs than the data (a GAN's generator takes noise, a denoiser ``(noisy, t)``),
+    so calling it on the data's inputs would build its layers for the wrong shapes. ``fit``
+    (without a strategy) calls no model before the first step; the step builds what it
+    uses. ``train`` builds nothing for such a model either.
+
+    Args:
+        model: a Keras model.
+
+    Returns:
+        True for a model with its own ``train_step`` and an unbuilt layer.
+    """
+    return own_step_unbuilt(model)
 
 
 def _describe_spec(spec) -> str:

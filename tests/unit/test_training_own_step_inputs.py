@@ -120,3 +120,13 @@ def test_train_trains_it_on_a_dataset_as_fit_does():
     history = train(model, dataset, epochs=1, verbose=0)
     assert all(np.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(_weights(model), fitted))
     assert np.allclose(history.history["d_loss"], expected.history["d_loss"], rtol=1e-5)
+
+
+def test_only_an_unbuilt_model_with_its_own_step_is_left_to_its_first_step():
+    from companion.training.inputs import built_by_its_first_step
+
+    model, x = _wgan()
+    assert built_by_its_first_step(model)
+    model.fit(x, batch_size=16, epochs=1, verbose=0)
+    assert not built_by_its_first_step(model)  # built by that step
+    assert not built_by_its_first_step(keras.Sequential([keras.layers.Dense(1)]))  # Keras' own train_step
