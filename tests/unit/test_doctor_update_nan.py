@@ -275,3 +275,23 @@ def test_the_failing_step_of_an_update_nan_is_saved_and_replays_non_finite(tmp_p
     again = replay(path, model, verbose=False)
     assert not again.finite and again.diagnosis.cause == "nonfinite_update"
     assert again.diagnosis.variables[0].endswith("dense/kernel") and again.restored > 0
+
+
+def _gain(dtype="float16"):
+    keras.utils.set_random_seed(8)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, dtype=dtype, name="gain")])
+    model.compile(keras.optimizers.SGD(learning_rate=100.0), "mse")
+    return model, np.full((8, 2), 10.0, "float32"), np.full((8, 1), 100.0, "float32")
+
+
+def test_a_weight_the_update_carries_beyond_float16s_range_is_named_with_its_float64_value():
+    model, x, y = _gain()
+    d = diagnose(model, (x, y))
+    assert d is not None and d.cause == "nonfinite_update" and d.op == "SGD.apply"
+    assert d.variables[0].endswith("gain/kernel")
+    assert "in float64 the update is finite, up to" in d.inputs_summary
+    assert "beyond float16's largest 65504" in d.inputs_summary
+    assert 'Dense(..., dtype="mixed_float16") for layer \'gain\'' in d.remedy and d.verified.startswith("verified:")
+    model, x, y = _gain("mixed_float16")  # the remedy, as printed: the failing step is finite with it
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert _all_finite(model)
