@@ -150,9 +150,9 @@ CAUSES: dict[str, Cause] = {
         f"{_CHECKLIST}#a-nan-loss-from-the-first-step-the-data",
     ),
     "learning_rate": Cause(
-        "the learning rate at the failing step is 0 or below (a schedule past its end, a sign: every "
-        "step climbs the loss) or far above the rates before it (a schedule that grows): the weights "
-        "grew step after step until they overflowed",
+        "the learning rate at the failing step is 0 or below (a schedule past its end, a wrong sign: "
+        "every step climbs the loss), far above the rates before it (a schedule that grows) or still "
+        "rising (a warmup that does not end): the weights grew step after step until they overflowed",
         "keep the schedule's rate in (0, its peak]: fix its arguments (decay_rate < 1, "
         "end_learning_rate >= 0) or clip the value it returns with tf.clip_by_value; clipnorm "
         "bounds each step",

@@ -35,6 +35,8 @@ SHOWS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "domain_edge": (("log", "negative"), ("softmax",)),
     "inf_arithmetic": (("softmax of (100, 0)",), ("tf.nn.softmax",)),
     "divergence": (("learning rate", "grows"), ("clipnorm", "smaller learning rate")),
+    "label_out_of_range": (("sparse_categorical_crossentropy", "outside that range"),
+                           ("labels from $0$", "labels.max() < C")),
     "learning_rate": (("schedule", "negative"), ("end_learning_rate", "floor")),
     "bootstrapped_targets": (("bootstrapped", "stop_gradient"), ("target network", "clipnorm")),
     "compiled_only": (("XLA",), ("jit_compile",)),
