@@ -36,11 +36,13 @@ PRINTED_RATIOS = {
     "scale.py": (r"ratio (-?\d+\.\d+) \(quartiles", 6),
     # 1 model x (steady time, extra memory)
     "recovery.py": (r"ratio (-?\d+\.\d+) \(quartiles", 2),
+    # 3 variants' peak over the plain update's, per byte of weights
+    "update_peak.py": (r"ratio (-?\d+\.\d+) \(quartiles", 3),
 }
 
 #: Benchmarks some of whose ratios are differences, 0 or below when there is no cost:
 #: scale.py's extra memory over fit's, per byte of weights; recovery.py's over train()'s.
-SIGNED = {"scale.py", "recovery.py"}
+SIGNED = {"scale.py", "recovery.py", "update_peak.py"}
 
 
 def test_every_benchmark_script_is_covered():
