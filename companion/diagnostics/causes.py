@@ -659,6 +659,8 @@ def rate_cause(rates: Sequence[float]) -> str | None:
     if not rates or not np.isfinite(rates[-1]):
         return None if not rates else f"the learning rate at the failing step is {rates[-1]}"
     last = rates[-1]
+    if last <= 0 and len(rates) == 1:  # a rate, not a schedule: its value now is all there is
+        return f"the learning rate at the failing step is {last:.3g}"
     if last <= 0:
         first_bad = next(i for i, r in enumerate(rates) if r <= 0)
         peak = max(rates)

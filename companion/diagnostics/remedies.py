@@ -747,7 +747,8 @@ def _rate_candidates(d, model, x, y, w, steps):
             good = abs(rate) if rate < 0 else (min(positive) if positive else None)
             if good:
                 tries.append((f"a positive learning rate: keras.optimizers.{name}(learning_rate={good:.3g}) (it is "
-                              f"{rate:.3g} at the failing step: every step climbs the loss)",
+                              f"{rate:.3g} at the failing step: every step climbs the loss; where a "
+                              f"LearningRateScheduler or your own code sets it, return max(rate, {good:.3g}) there)",
                               f"learning_rate={good:.3g}", lambda: _learning_rate(optimizer, good)))
     shown = "" if rate is None or _schedule(optimizer) is not None else f"learning_rate={rate:.3g}, "
     why = ("the targets are made from the model's own outputs: each step is bounded, so they cannot run away"

@@ -412,3 +412,33 @@ def test_a_custom_q_learning_loop_that_overflows_is_bootstrapped_targets_and_bou
                                "applies them"), d.remedy
     assert d.verified.startswith("not verified: diagnose_function runs this one call of the step"), d.verified
     assert _custom_q_learning(clip=True) is None  # as printed: every step finite
+
+
+def test_a_rate_a_callback_sets_below_0_is_a_learning_rate_cause_and_a_positive_floor_cures():
+    """A ``LearningRateScheduler`` whose linear decay passes 0 (the kind of the reports above).
+
+    The optimizer holds a rate, not a schedule: the doctor reads its value at the failing
+    step and prints a positive rate with where to floor it; a re-run of fit's steps at one
+    rate cannot replay the rates the callback set, and the check says so.
+    """
+
+    def decay(epoch, rate):
+        return 0.05 - 0.01 * epoch  # <- scheduler
+
+    model, x, y = _regression(0.05)
+    doctor = NaNDoctor(verbose=False)
+    model.fit(x, y, batch_size=16, epochs=40, verbose=0, shuffle=False,
+              callbacks=[keras.callbacks.LearningRateScheduler(decay), doctor])
+    d = doctor.diagnosis
+    assert d is not None and d.cause == "learning_rate", str(d)
+    assert d.inputs_summary.startswith("the learning rate at the failing step is -"), d.inputs_summary
+    assert d.remedy.startswith("a positive learning rate: keras.optimizers.SGD(learning_rate=0.0"), d.remedy
+    assert "return max(rate, " in d.remedy and "ten times smaller" not in str(d)
+    # the rates the callback set in earlier epochs are not the optimizer's to replay: said, not claimed
+    assert d.verified.startswith("not verified: the 55 steps from the start of fit") and \
+        "does not reproduce fit's failure" in d.verified, d.verified
+    floor = float(d.remedy.split("return max(rate, ")[1].split(")")[0])
+    model, x, y = _regression(0.05)
+    history = model.fit(x, y, batch_size=16, epochs=40, verbose=0, shuffle=False, callbacks=[
+        keras.callbacks.LearningRateScheduler(lambda epoch, rate: max(decay(epoch, rate), floor))])
+    assert np.isfinite(history.history["loss"]).all()
