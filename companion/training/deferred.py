@@ -98,41 +98,55 @@ class DeferredUpdate:
     def run(self, finite, direct, on_skip=None) -> tf.Tensor:
         """The update, if ``finite``: proved finite, or tested on a copy and put back if it
         is not. Returns whether it was applied; ``on_skip()`` is traced into the branches
-        that apply nothing (the NaN/Inf counts of a large model)."""
+        that apply nothing (the NaN/Inf counts of a large model).
+
+        The optimizer's update is traced once (its trace is the costly part of a first
+        call): a copy of what it writes is made before it only where the proof failed
+        (elsewhere that conditional returns empty tensors), and the test and put-back
+        after it run only there too.
+        """
         bound = self.step.bound
         proved, advance = bound.prove(self.gradient_bound, self.step.inner.learning_rate)
+        tested = tf.logical_and(finite, tf.logical_not(proved))
 
-        def untested():
+        def copy():
+            return [tf.identity(read(v)) for v in direct]
+
+        def no_copy():
+            return [tf.zeros([0], v.dtype) for v in direct]
+
+        saved = tf.cond(tested, copy, no_copy) if direct else []
+
+        def update():
             self._update()
-            advance()
             return tf.constant(True)
-
-        def tested():
-            saved = [read(v) for v in direct]
-            self._update()
-            now = [read(v) for v in direct]
-            ok = all_finite(now, flatten=entries(now) <= SELECT_LIMIT)
-
-            def put_back():
-                for variable, value in zip(direct, saved):
-                    tf.raw_ops.AssignVariableOp(resource=variable.handle, value=value)
-                return tf.constant(0)
-
-            def skipped():
-                put_back()
-                if on_skip is not None:
-                    on_skip()
-                return tf.constant(0)
-
-            tf.cond(ok, lambda: tf.constant(0), skipped)
-            bound.remeasure()
-            return ok
 
         def skip():
             if on_skip is not None:
                 on_skip()
             return tf.constant(False)
 
-        # One conditional on the usual path (finite and proved), so that each gradient is
-        # freed as its variable's update consumes it; the tested path nests a second.
-        return tf.cond(tf.logical_and(finite, proved), untested, lambda: tf.cond(finite, tested, skip))
+        with tf.control_dependencies(saved):
+            applied = tf.cond(finite, update, skip)
+
+        def proved_path():
+            advance()
+            return applied
+
+        def test():
+            now = [read(v) for v in direct]
+            ok = all_finite(now, flatten=entries(now) <= SELECT_LIMIT)
+
+            def put_back():
+                for variable, value in zip(direct, saved):
+                    tf.raw_ops.AssignVariableOp(resource=variable.handle, value=value)
+                if on_skip is not None:
+                    on_skip()
+                return tf.constant(0)
+
+            tf.cond(ok, lambda: tf.constant(0), put_back)
+            bound.remeasure()
+            return ok
+
+        with tf.control_dependencies([applied]):
+            return tf.cond(tested, test, lambda: tf.cond(applied, proved_path, lambda: applied))

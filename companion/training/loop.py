@@ -29,7 +29,8 @@ from companion.training.recovery import NO_LIMIT, Recovery, check_learning_rates
 from companion.training.deferred import Undeferrable
 from companion.training.step import GuardedStep, model_cache
 from companion.training.inputs import (
-    ON_NONFINITE, as_dataset, check_callbacks, check_finite_weights, check_targets, replay_batches,
+    ON_NONFINITE, as_dataset, built_by_its_first_step, check_callbacks, check_finite_weights, check_targets,
+    replay_batches,
 )
 from companion.training.results import TrainingHistory, WorkerLostError
 
@@ -445,8 +446,10 @@ def _check_target_shapes(model, loss, spec) -> None:
 
 
 def _build(model, x) -> None:
-    """Build an unbuilt model from a dataset's element spec (fit would at its first step)."""
-    if model.built or not isinstance(x, tf.data.Dataset):
+    """Build an unbuilt model from a dataset's element spec (fit would at its first step);
+    not a model whose own ``train_step`` builds what it uses at its first step, as in fit
+    (its ``call`` may take other inputs than the data: a GAN's generator, a denoiser)."""
+    if model.built or not isinstance(x, tf.data.Dataset) or built_by_its_first_step(model):
         return
     spec = x.element_spec
     inputs = spec[0] if isinstance(spec, tuple) else spec

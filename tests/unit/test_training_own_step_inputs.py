@@ -109,8 +109,6 @@ def test_train_trains_an_own_step_model_whose_call_takes_other_inputs_as_fit_doe
         assert np.allclose(history.history[key], values, rtol=1e-5), key
 
 
-@pytest.mark.xfail(strict=True, reason="train's _build (companion/training/loop.py) still calls the model on a "
-                   "dataset's element spec; it should return early when inputs.built_by_its_first_step(model)")
 def test_train_trains_it_on_a_dataset_as_fit_does():
     model, x = _wgan()
     dataset = tf.data.Dataset.from_tensor_slices(x).batch(16)
