@@ -105,6 +105,8 @@ def nonfinite_error(history, consecutive, limit, on_nonfinite, loss_scaled, *, l
     state = f"after step {good}" if good >= 0 else "at the start of training"
     if end is None:
         end = f"No update was applied on these steps: the weights and optimizer state are those {state}."
+    if diagnosis is None:  # the NaN doctor's, of the run's first non-finite step
+        diagnosis = next((r.diagnosis for r in history.reports if r.diagnosis is not None), None)
     return NonFiniteError(
         f"{head}: {detail}. {end}",
         step=last.step,

@@ -223,6 +223,8 @@ def test_raise_mode_raises_at_the_first_nonfinite_step_without_applying_it():
     assert caught.value.step == 2
     assert int(optimizer.iterations) == 2
     assert all(np.isfinite(v.numpy()).all() for v in model.variables)
+    # The error carries the NaN doctor's diagnosis of that step, as the skip mode's report does.
+    assert caught.value.diagnosis is not None and caught.value.diagnosis.cause == "nonfinite_input"
 
 
 def test_clipping_bounds_finite_updates_and_does_not_spread_a_nan():
