@@ -91,7 +91,7 @@ UNIT_SECONDS = {
     "book/tools/training_across_machines.ipynb": 55,
     "book/closing/finding_your_own_nan.ipynb": 50,
     "book/closing/checklist.ipynb": 45,
-    "tests/distributed/test_training_recovery_distributed.py": 50,
+    "tests/distributed/test_training_recovery_distributed.py": 85,
     "tests/contracts/test_training_fit_parity.py": 45,
     "tests/unit/test_training_recovery.py": 45,
     "tests/unit/test_models.py": 45,
@@ -105,7 +105,7 @@ UNIT_SECONDS = {
     "tests/unit/test_docstrings.py": 25,
     "tests/unit/test_runs.py": 25,
     "tests/unit/test_doctor.py": 25,
-    "book/tools/training_loop.ipynb": 25,
+    "book/tools/training_loop.ipynb": 45,
     "book/tools/performance.ipynb": 20,
 }
 

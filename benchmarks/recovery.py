@@ -12,11 +12,12 @@ defaults, on the same fresh model, seeded data with no NaN and no spike (Adam, b
   ``companion.training.recovery.SNAPSHOT_EVERY_STEPS`` steps.
 
 Every run is a fresh Python process (this script with a hidden ``--child`` argument, which
-trains one fresh model once and prints one JSON line), the models and data of
-``benchmarks/scale.py``. Two runs per measurement, of 1 and of 5 epochs, give the steady
-time per epoch, (T(5) - T(1)) / 4: compiling, tracing and the first steps cancel. Memory
-is the growth of the process's peak resident set (``ru_maxrss``) over the call of 5
-epochs; ``recover``'s *extra* memory is its growth minus ``train``'s in the same round, as
+trains one fresh model once, for 6 epochs, and prints one JSON line), the models and data of
+``benchmarks/scale.py``. The steady time per epoch is the median of the wall (and CPU) times
+of epochs 1 to 5, each one host call, timed by a callback from its start to its end: the
+first epoch's compiling and tracing are left out, and a slow spell of the shared machine
+moves one epoch, not the median. Memory is the growth of the process's peak resident set
+(``ru_maxrss``) over the call; ``recover``'s *extra* memory is its growth minus ``train``'s in the same round, as
 a multiple of the bytes of the state a rollback restores (every variable of the model and
 of the optimizer: for Adam, the weights and two moments). The variants alternate within a
 round (the order rotates from round to round), and each ratio is the median over rounds of
@@ -28,9 +29,9 @@ of the state it restores: extra memory <= 1 x the state's bytes. Run with::
     python benchmarks/recovery.py [--quick] [--rounds N] [--models NAME,...] [--json PATH]
 
 ``--json auto`` writes into ``companion/book/benchmark_results/`` under the default name.
-``--quick`` (the smaller MLP, 1 round, a few batches an epoch: 4 processes) only checks
-that the benchmark runs: its numbers are not the full run's. The full run (2 models, 3
-rounds, 24 processes) takes about 6 minutes on 2 cores.
+``--quick`` (the smaller MLP, 1 round, a few batches an epoch: 2 processes) only checks
+that the benchmark runs: its numbers are not the full run's. The full run (2 models, 5
+rounds, 20 processes) takes about 6 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from scale import BATCH, EPOCHS, RETRIES, build, make_data, quartiles, verdict  # noqa: E402
+from scale import BATCH, build, make_data, quartiles, verdict  # noqa: E402
+
+EPOCHS = 6  # epoch 0 compiles; the steady time is the median of epochs 1 to 5
 
 VARIANTS = ("train", "recover")
 NAMES = {"train": "train()", "recover": "train(rollback, spikes)"}
@@ -74,23 +77,35 @@ def child(name: str, variant: str, epochs: int, batches: int) -> dict:
 
     from companion.training import train
 
+    class EpochTimes(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.wall, self.cpu = [], []
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.started = time.perf_counter(), time.process_time()
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.wall.append(time.perf_counter() - self.started[0])
+            self.cpu.append(time.process_time() - self.started[1])
+
     model, kind = build(name)
     x, y = make_data(name, batches * BATCH)
     optimizer = keras.optimizers.Adam()
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True) if kind == "classes" else "mse"
+    timer = EpochTimes()  # epoch hooks only: train still runs an epoch per host call
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    wall, cpu = time.perf_counter(), time.process_time()
     history = train(model, x, y, batch_size=BATCH, epochs=epochs, loss=loss, optimizer=optimizer, verbose=0,
-                    **OPTIONS[variant])
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+                    callbacks=[timer], **OPTIONS[variant])
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     rate = id(getattr(optimizer, "_learning_rate", None))
     state = [*model.variables, *(v for v in optimizer.variables if id(v) != rate)]
     state_bytes = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in state)
     return {
         "model": name, "variant": variant, "epochs": epochs, "batches": batches,
-        "seconds": wall, "cpu_seconds": cpu, "growth_mib": (after - before) / 1024,
-        "state_bytes": state_bytes, "params": int(model.count_params()),
+        "epoch_seconds": timer.wall, "epoch_cpu_seconds": timer.cpu,
+        "steady": statistics.median(timer.wall[1:]), "cpu_steady": statistics.median(timer.cpu[1:]),
+        "growth_mib": (after - before) / 1024, "state_bytes": state_bytes, "params": int(model.count_params()),
         "completed": len(history.epoch_loss) == epochs and bool(np.isfinite(history.epoch_loss).all())
         and not history.skipped and not history.rollbacks,
     }
@@ -119,33 +134,17 @@ def run_child(name: str, variant: str, epochs: int, batches: int) -> dict:
 
 
 def measure(name: str, batches: int, rounds: int) -> dict:
-    """{variant: [per-round {"t1", "t5", "steady", "cpu_steady", "growth_mib"}]} and the state's size."""
+    """{variant: [per-round {"steady", "cpu_steady", "growth_mib", "epoch_seconds"}]} and the state's size."""
     runs = {variant: [] for variant in VARIANTS}
     size = None
     for r in range(rounds):
         order = VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)]
         for variant in order:
-            for attempt in range(RETRIES + 1):
-                timed = {}
-                for epochs in (EPOCHS if (r + VARIANTS.index(variant)) % 2 == 0 else EPOCHS[::-1]):
-                    print(f"  {name}, round {r + 1}/{rounds}: {NAMES[variant]}, {epochs} epoch{'s' * (epochs > 1)}"
-                          f" of {batches} batches" + (f" (again: {attempt + 1})" if attempt else ""),
-                          file=sys.stderr, flush=True)
-                    timed[epochs] = run_child(name, variant, epochs, batches)
-                short, long = timed[EPOCHS[0]], timed[EPOCHS[1]]
-                if long["seconds"] > short["seconds"] and long["cpu_seconds"] > short["cpu_seconds"]:
-                    break
-            else:
-                raise RuntimeError(f"{name}, {NAMES[variant]}: {EPOCHS[1]} epochs never took longer than "
-                                   f"{EPOCHS[0]}: give it more batches (--batches)")
-            span = EPOCHS[1] - EPOCHS[0]
-            size = size or {"params": long["params"], "state_bytes": long["state_bytes"]}
-            runs[variant].append({
-                "t1": short["seconds"], "t5": long["seconds"],
-                "steady": (long["seconds"] - short["seconds"]) / span,
-                "cpu_steady": (long["cpu_seconds"] - short["cpu_seconds"]) / span,
-                "growth_mib": long["growth_mib"],
-            })
+            print(f"  {name}, round {r + 1}/{rounds}: {NAMES[variant]}, {EPOCHS} epochs of {batches} batches",
+                  file=sys.stderr, flush=True)
+            run = run_child(name, variant, EPOCHS, batches)
+            size = size or {"params": run["params"], "state_bytes": run["state_bytes"]}
+            runs[variant].append({key: run[key] for key in ("steady", "cpu_steady", "growth_mib", "epoch_seconds")})
     return {"runs": runs, **size, "batches": batches}
 
 
@@ -174,7 +173,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help=f"{', '.join(QUICK_BATCHES)}, 1 round, few batches an epoch (a smoke test)")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
     parser.add_argument("--models", help=f"comma-separated, of {', '.join(MODELS)} (default: all)")
     parser.add_argument("--batches", type=int, help="batches per epoch for every model (default: each model's own)")
     parser.add_argument("--json", metavar="PATH", help="also write the ratios as JSON ('auto': the default name)")
@@ -191,7 +190,7 @@ def main(argv=None) -> int:
         parser.error(f"unknown models {unknown}; there are {list(MODELS)}")
     rounds = 1 if args.quick else args.rounds
     print(f"{rounds} round{'s' * (rounds > 1)}, every run a fresh process and a fresh model; batch {BATCH}, "
-          f"steady time per epoch = (T({EPOCHS[1]} epochs) - T({EPOCHS[0]})) / {EPOCHS[1] - EPOCHS[0]}", flush=True)
+          f"steady time per epoch = the median of epochs 1 to {EPOCHS - 1}'s", flush=True)
     results, rows = {}, []
     started = time.perf_counter()
     for name in names:
@@ -214,7 +213,7 @@ def main(argv=None) -> int:
         models = {name: {"description": MODELS[name][0], "params": r["params"], "state_bytes": r["state_bytes"],
                          "batches": r["batches"], "batch_size": BATCH, "runs": r["runs"]}
                   for name, r in results.items()}
-        write_results(args.json, "recovery", rows, extra={"models": models, "epochs": list(EPOCHS)})
+        write_results(args.json, "recovery", rows, extra={"models": models, "epochs": EPOCHS})
     return 0
 
 
