@@ -71,8 +71,9 @@ class Diagnosis:
         verified: what the doctor found when it applied that remedy to a copy of the
             failing step, or of the steps up to it (``companion.diagnostics.remedies``
             says how, for each kind): ``"verified: the step is finite with ..."`` or
-            ``"not verified: ..."`` and why; ``None`` when the doctor could not apply
-            it (a choice for a library function's input) and nothing was checked.
+            ``"not verified: ..."`` and why (also when the doctor could not apply it:
+            a choice for a library function's input); ``None`` when there is no
+            remedy.
 
     A diagnosis made by :func:`diagnose` (and so by :class:`NaNDoctor` and ``train``)
     also keeps the failing step's state in memory: :meth:`save` writes it to a file

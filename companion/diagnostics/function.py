@@ -11,6 +11,7 @@ import tensorflow as tf
 from companion._gradients import gradient_values
 from companion.diagnostics.causes import CAUSES
 from companion.diagnostics.diagnosis import Diagnosis, from_event, keep_state
+from companion.diagnostics.remedies import UNCHECKED
 from companion.diagnostics.rewrites import choice, verify_clamp
 from companion.diagnostics.step import culprit
 from companion.diagnostics.trace import OpTracer, eager_trace, nonfinite_mask, raised
@@ -170,13 +171,15 @@ def _remedy(found, tracer, fn, args, kwargs) -> tuple[str | None, str | None]:
         remedy, clamp = choice(found)
     except Exception:  # noqa: BLE001 - the doctor's own failure is never the user's
         return None, None
-    if remedy is None or clamp is None:
-        return remedy, None
+    if remedy is None:
+        return None, None
+    if clamp is None:
+        return remedy, UNCHECKED
     if tracer.writes:
         return remedy, ("not verified: the function writes variables (an optimizer step, a metric): the "
                         "doctor does not run it a second time")
     try:
-        return remedy, verify_clamp(found, clamp, lambda: _finite_run(fn, args, kwargs)[0])
+        return remedy, verify_clamp(found, clamp, lambda: _finite_run(fn, args, kwargs)[0]) or UNCHECKED
     except Exception as error:  # noqa: BLE001
         return remedy, f"not verified: the re-run with the remedy failed ({type(error).__name__}: {error})"[:300]
 

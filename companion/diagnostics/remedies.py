@@ -70,9 +70,9 @@ patched function are put back afterwards, also when the re-run fails. What is ve
 Where a case has several remedies (:func:`candidates`), each is checked in turn and the
 first that verifies is printed first; where none does, the first is printed with what
 every check found. A remedy the doctor cannot apply (a choice for a library function's
-input) is printed with no ``verified`` (no claim), and so is a clamp whose call the
-re-run never made from that line. A failure of the check itself is a ``"not verified:
-..."`` sentence, never an exception.
+input), or a clamp whose call the re-run never made from that line, is printed with
+:data:`UNCHECKED` (nothing was run with it). A failure of the check itself is a ``"not
+verified: ..."`` sentence, never an exception.
 """
 
 from __future__ import annotations
@@ -185,7 +185,14 @@ def verify(diagnosis: Any, model: Any, loss_fn: Any, x, y, w, steps: "Steps | No
             return diagnosis
         found = (remedy, None)
     remedy, verified = found
+    if remedy is not None and verified is None:
+        verified = UNCHECKED
     return replace(diagnosis, remedy=remedy if remedy is not None else diagnosis.remedy, verified=verified)
+
+
+#: What the report says of a remedy printed with no check (every printed remedy says what was run).
+UNCHECKED = ("not verified: the doctor could not apply this remedy to a copy of the step (a choice it cannot "
+             "make for you, or a call the re-run did not make from that line): nothing was run with it")
 
 
 def _verify(d, model, loss_fn, x, y, w, steps=None):

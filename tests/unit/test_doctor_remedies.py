@@ -875,7 +875,7 @@ def test_the_first_remedy_of_a_reported_case_applied_as_printed_makes_its_step_f
     if case.line:
         assert d.source == f"{reports.HERE}:{reports.marked(case.id)}"
     if case.id in NOT_MECHANICAL:
-        assert d.verified is None, f"{case.id}: a claim about a remedy that was not applied: {d.verified}"
+        assert d.verified.startswith("not verified: the doctor could not apply"), d.verified
     else:  # the doctor applied its remedy to a copy of the failing step, and it cured it
         assert d.verified is not None and d.verified.startswith("verified: the step is finite "), str(d)
         clamp = "sqrt's input clamped at 1.19e-07" if "sqrt" in expected else "log's input clamped at 1.19e-07"
