@@ -12,10 +12,11 @@ non-finite steps names a cause in the data or in a function's domain
 The state restored is a snapshot taken at the start of the first epoch, and again at the
 start of every later epoch, and within an epoch every :data:`SNAPSHOT_EVERY_STEPS` steps
 (at the end of the first host call that reaches them), when the state is good: no
-non-finite step since the last snapshot (or rollback), and the mean loss of the last
-:data:`SNAPSHOT_WINDOW` applied steps at most :data:`SNAPSHOT_GROWTH` times the lowest
-such mean so far (a run diverges with finite, growing losses for a while before its first
-NaN: an epoch at a rate too large can end finite, its loss grown by orders of magnitude).
+non-finite step (so no rollback) since the last of these points, and the mean loss of the
+steps applied since then at most :data:`SNAPSHOT_GROWTH` times the lowest mean of
+:data:`SNAPSHOT_WINDOW` consecutive applied steps so far (a run diverges with finite,
+growing losses for a while before its first NaN: an epoch at a rate too large can end
+finite, its loss grown by orders of magnitude).
 It is a state from before the run began to diverge, not the state after the last good
 step, whose weights are already on their way out. It
 holds every variable of the model (weights, non-trainable state such as batch-norm
@@ -61,12 +62,12 @@ RATE_CANNOT_CURE = frozenset({
     "singular_derivative", "where_trap",
 })
 
-#: A snapshot replaces the last one only when the mean loss of the last
-#: :data:`SNAPSHOT_WINDOW` applied steps is at most this many times the lowest such mean so
-#: far (and no step since the last snapshot was non-finite).
+#: A snapshot replaces the last one only when the mean loss of the steps applied since the
+#: last snapshot point is at most this many times the lowest mean of
+#: :data:`SNAPSHOT_WINDOW` consecutive applied steps so far (and none was non-finite).
 SNAPSHOT_GROWTH = 2.0
 
-#: The applied steps whose mean loss tells whether the state is good enough for a snapshot.
+#: The consecutive applied steps whose lowest mean loss is the reference of a snapshot.
 SNAPSHOT_WINDOW = 16
 
 #: Within an epoch, a snapshot is considered every this many steps (``None``: at epoch
@@ -198,8 +199,8 @@ class Recovery:
         self.saved: list[tuple[Any, np.ndarray]] | None = None
         self.saved_step = 0
         self.run = 0  # the non-finite steps in a row, counted on the host
-        self.window = 0  # the first step since the last snapshot (or rollback) was taken
-        self.clean_since_snapshot = True  # no non-finite step since then
+        self.period = 0  # the first step since the last snapshot point (an epoch start, every steps)
+        self.period_clean = True  # no non-finite step since then
         # The losses of the last applied steps (since the last rollback), and the lowest
         # mean of SNAPSHOT_WINDOW consecutive ones so far.
         self.recent: collections.deque = collections.deque(maxlen=SNAPSHOT_WINDOW)
@@ -234,22 +235,29 @@ class Recovery:
         self.run = self.history.trailing_nonfinite()
 
     def good(self) -> bool:
-        """Whether the state now is good enough for a snapshot: no non-finite step since the
-        last snapshot (or rollback), and the mean loss of the last applied steps at most
-        :data:`SNAPSHOT_GROWTH` times the lowest such mean so far."""
-        if not self.clean_since_snapshot or self.run or not self.recent:
+        """Whether the state now is good enough for a snapshot (and the start of the next
+        period): no non-finite step since the last snapshot point, and the mean loss of the
+        steps applied since then at most :data:`SNAPSHOT_GROWTH` times the lowest mean of
+        :data:`SNAPSHOT_WINDOW` consecutive applied steps so far."""
+        history = self.history
+        skipped = set(history.skipped)
+        losses = [history.step_loss[i] for i in range(self.period, history.steps) if i not in skipped]
+        clean, self.period, self.period_clean = self.period_clean, history.steps, True
+        if not clean or self.run or not losses:
             return False
-        return float(np.mean(self.recent)) <= SNAPSHOT_GROWTH * self.lowest
+        mean = float(np.mean(losses))
+        return bool(np.isfinite(mean) and mean <= SNAPSHOT_GROWTH * self.lowest)
 
     def take(self) -> None:
         """At the start of an epoch: the snapshot, the first, or if the state is good."""
-        if self.saved is None or self.good():
+        good = self.good()
+        if self.saved is None or good:
             self._snapshot()
 
     def take_within_epoch(self) -> None:
-        """After a host call: the snapshot, if ``every`` steps have passed since the last
-        one (or the last rollback) and the state is good."""
-        if self.every and self.saved is not None and self.history.steps - self.window >= self.every and self.good():
+        """After a host call: if ``every`` steps have passed since the last snapshot point,
+        the snapshot if the state is good."""
+        if self.every and self.saved is not None and self.history.steps - self.period >= self.every and self.good():
             self._snapshot()
 
     def _snapshot(self) -> None:
@@ -268,8 +276,7 @@ class Recovery:
                 else:
                     saved.append((copy, np.array(value)))
         self.saved = saved
-        self.saved_step = self.window = self.history.steps
-        self.clean_since_snapshot = True
+        self.saved_step = self.history.steps
 
     def restore(self) -> None:
         """Every copy of every variable to its snapshot (an optimizer built since: to its
@@ -297,7 +304,7 @@ class Recovery:
                 break
             if report.reason == "nonfinite":
                 bad.add(report.step)
-        self.clean_since_snapshot = self.clean_since_snapshot and not bad
+        self.period_clean = self.period_clean and not bad
         skipped = set(history.skipped[-(history.steps - start):]) if history.steps > start else set()
         failed = None
         for index in range(start, history.steps):
@@ -350,8 +357,7 @@ class Recovery:
         self.step.reset(0)
         self.step.reset_loss_stats()
         self.run = 0
-        self.window, self.clean_since_snapshot = history.steps, True  # the state is the snapshot's
-        self.recent.clear()
+        self.recent.clear()  # (the period of the rollback stays unclean: no snapshot at its end)
         if retrace:
             self.model.make_train_function(force=True)  # the schedule is read in the traced step
         if self.verbose:
