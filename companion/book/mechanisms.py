@@ -14,7 +14,10 @@ its fix is here, so the chapter shows the computation and imports the rest:
 * special functions that overflow: :func:`log_bessel_i0` and :func:`log_beta`;
 * a Cholesky factor of a matrix that float32 cannot keep positive definite:
   :func:`rbf_kernel` and :func:`cholesky`;
-* samplers that return the end of their interval: :func:`beta_draws`.
+* samplers that return the end of their interval: :func:`beta_draws`;
+* a NaN written by the optimizer's update (Adam's ``epsilon`` is 0 in ``float16``):
+  :func:`half_precision_regression`, :func:`update_steps` and
+  :func:`half_precision_diagnosis`.
 
 Part of the book's support code (:mod:`companion.book`): no stability promise.
 """
@@ -33,6 +36,8 @@ __all__ = [
     "LogPriorDense",
     "beta_draws",
     "cholesky",
+    "half_precision_diagnosis",
+    "half_precision_regression",
     "label_tagger",
     "log_bessel_i0",
     "log_beta",
@@ -41,6 +46,7 @@ __all__ = [
     "scheduled_fit",
     "standardized_dataset",
     "td_run",
+    "update_steps",
     "weighted_loss",
 ]
 
@@ -433,3 +439,94 @@ def beta_draws(n: int = 1000, concentration: float = 0.1, seed: int = 0) -> dict
         "log1m_naive": tf.math.log(1.0 - x),
         "log1m_safe": tf.math.log(g[1]) - tf.math.log(g[0] + g[1]),
     }
+
+
+# --------------------------------------------------------------------------------------
+# A NaN written by the optimizer's update
+# --------------------------------------------------------------------------------------
+
+
+def half_precision_regression(optimizer=None, dtype: str = "float16", seed: int = 0):
+    """A linear regression whose ``Dense(1)`` has ``dtype`` weights, trained by Adam.
+
+    Feature 3 of the inputs is 0 in every example, so the kernel's row 3 gets a gradient of
+    exactly 0 and Adam's first and second moments of it stay 0. Adam's step is
+    ``m / (sqrt(v) + epsilon)``, computed in the variable's dtype: ``epsilon=1e-8`` (the
+    default of PyTorch's and Optax's Adam; Keras' is ``1e-7``) is below half of ``float16``'s
+    smallest subnormal ``2**-24`` and rounds to 0, so that entry's step is ``0 / 0 = NaN``
+    while the loss and the gradients are finite. An epsilon ``float16`` holds (``1e-4``), or
+    ``dtype="mixed_float16"`` (the variables in ``float32``, the computation in
+    ``float16``), keeps the update finite.
+
+    Args:
+        optimizer: the optimizer to compile with; by default Adam with a learning rate of
+            ``1e-3`` and ``epsilon=1e-8``, made on the line that compiles the model.
+        dtype: the ``Dense`` layer's dtype policy (``"float16"``, ``"mixed_float16"``, ...).
+        seed: seeds the data and the initial weights.
+
+    Returns:
+        ``(model, x, y)``: the compiled model (named ``half``, its layer ``head``), 32 examples
+        of 4 features and their targets. :func:`update_steps` trains it.
+
+    Example:
+        >>> model, x, y = half_precision_regression(keras.optimizers.Adam(1e-3, epsilon=1e-4))
+        >>> all(step["weights finite"] for step in update_steps(model, x, y, steps=2))
+        True
+    """
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(32, 4)).astype("float32")
+    x[:, 3] = 0.0  # a feature that is always 0: a zero gradient, zero moments
+    y = x @ np.array([[1.0], [-2.0], [0.5], [0.0]], "float32")
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, dtype=dtype, name="head")],
+                             name="half")
+    model.compile(optimizer or keras.optimizers.Adam(1e-3, epsilon=1e-8), "mse")
+    return model, x, y
+
+
+def half_precision_diagnosis(**kwargs):
+    """The NaN doctor on the first batch of :func:`half_precision_regression` (its ``kwargs``).
+
+    The doctor names the line that made the optimizer by searching the files of the code
+    that calls it; called from here, that is this module's line that compiles the model.
+
+    Returns:
+        The :class:`~companion.diagnostics.Diagnosis`, or None when the step is finite.
+
+    Example:
+        >>> d = half_precision_diagnosis()
+        >>> d.cause, d.phase, d.variables[0]
+        ('nonfinite_update', 'update', 'half/head/kernel')
+    """
+    from companion.diagnostics import diagnose
+
+    model, x, y = half_precision_regression(**kwargs)
+    return diagnose(model, (x, y))
+
+
+def update_steps(model, x, y, steps: int = 2) -> list[dict[str, Any]]:
+    """Full-batch steps of ``model``'s compiled optimizer on the mean squared error.
+
+    Returns:
+        One dict a step: ``"loss"`` (before its update, a float), ``"gradients finite"``
+        and ``"weights finite"`` (after its update).
+
+    Example:
+        >>> model, x, y = half_precision_regression()
+        >>> step = update_steps(model, x, y, steps=1)[0]
+        >>> step["gradients finite"], step["weights finite"]
+        (True, False)
+    """
+    records = []
+    for _ in range(steps):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(tf.cast(model(x), tf.float32) - y))
+        grads = tape.gradient(loss, model.trainable_variables)
+        model.optimizer.apply(grads, model.trainable_variables)
+        records.append({
+            "loss": float(loss),
+            "gradients finite": all(bool(np.isfinite(g.numpy()).all()) for g in grads),
+            "weights finite": all(bool(np.isfinite(v.numpy()).all())
+                                  for v in model.trainable_variables),
+        })
+    return records

@@ -41,7 +41,8 @@ SHOWS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "bootstrapped_targets": (("bootstrapped", "stop_gradient"), ("target network", "clipnorm")),
     "compiled_only": (("XLA",), ("jit_compile",)),
     "not_reproducible": (("does not reproduce",), ("save", "replay")),
-    "nonfinite_update": (("float16", "the update makes the weights"), ("float32", "LossScaleOptimizer")),
+    "nonfinite_update": (("epsilon=1e-8", "rounds to $0$ in `float16`", "the update makes the weights"),
+                         ("epsilon=1e-4", "mixed_float16", "float32", "LossScaleOptimizer")),
     "unclassified": ((), ("locate_nonfinite",)),
 }
 

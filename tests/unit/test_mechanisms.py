@@ -162,3 +162,24 @@ def test_a_standardisation_in_a_tf_data_map_is_named_at_its_division_and_divide_
     assert "divide_no_nan" in d.remedy and d.verified.startswith("verified:")
     model, data = m.standardized_dataset(safe=True)
     assert np.isfinite(model.fit(data, epochs=2, shuffle=False, verbose=0).history["loss"]).all()
+
+
+def _adam(epsilon=1e-8):
+    return keras.optimizers.Adam(1e-3, epsilon=epsilon)
+
+
+def test_adams_float16_epsilon_of_0_makes_the_update_nan_and_an_epsilon_float16_holds_cures_it():
+    d = m.half_precision_diagnosis()
+    assert (d.cause, d.phase, d.variables[0]) == ("nonfinite_update", "update", "half/head/kernel"), str(d)
+    assert d.source.endswith("mechanisms.py:" + str(_line_of(m.__file__, 'epsilon=1e-8), "mse")'))), d.source
+    assert d.remedy.startswith("keras.optimizers.Adam(epsilon=0.0001)") and d.verified.startswith("verified:")
+    model, x, y = m.half_precision_regression()
+    step = m.update_steps(model, x, y, steps=1)[0]
+    assert np.isfinite(step["loss"]) and step["gradients finite"] and not step["weights finite"]
+    cures = {"epsilon": (_adam(1e-4), "float16"), "mixed": (_adam(), "mixed_float16")}
+    for name, (optimizer, dtype) in cures.items():
+        model, x, y = m.half_precision_regression(optimizer, dtype=dtype)
+        steps = m.update_steps(model, x, y, steps=20)
+        assert all(s["weights finite"] for s in steps), name
+        assert steps[-1]["loss"] < steps[0]["loss"], name  # it trains, not only stays finite
+    assert model.trainable_variables[0].dtype == "float32"  # mixed_float16 keeps the variables so
