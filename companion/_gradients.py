@@ -43,12 +43,13 @@ def global_norm(gradients: Sequence[Any]) -> tf.Tensor:
         values = tf.convert_to_tensor(gradient_values(gradient))
         if values.dtype != tf.float32:
             values = tf.cast(values, tf.float32)
-        rank = values.shape.rank
-        axis = list(range(rank)) if rank is not None else tf.range(tf.rank(values))
-        squares.append(tf.raw_ops.Sum(input=tf.raw_ops.Square(x=values), axis=axis))
+        # Half the sum of squares in one pass (as tf.linalg.global_norm): no temporary of
+        # the gradient's size, as a square followed by a sum would make.
+        squares.append(tf.raw_ops.L2Loss(t=values))
     if not squares:
         return tf.constant(0.0, tf.float32)
-    return tf.raw_ops.Sqrt(x=squares[0] if len(squares) == 1 else tf.raw_ops.AddN(inputs=squares))
+    half = squares[0] if len(squares) == 1 else tf.raw_ops.AddN(inputs=squares)
+    return tf.raw_ops.Sqrt(x=tf.raw_ops.Mul(x=half, y=tf.constant(2.0, tf.float32)))
 
 
 def all_finite(gradients: Sequence[Any]) -> tf.Tensor:
