@@ -648,12 +648,17 @@ GROWTH_CAUSES = frozenset({"divergence", "overflow", "inf_arithmetic", "nonfinit
                            "domain_edge"})
 
 
-def rate_cause(rates: Sequence[float]) -> str | None:
+def rate_cause(rates: Sequence[float], first_step: int = 0) -> str | None:
     """What the learning rates of the steps up to the failing one (``rates[-1]``) did wrong, or ``None``.
+
+    ``rates[i]`` is the rate of step ``first_step + i``.
 
     The rate at the failing step is 0 or below (gradient descent then climbs the loss,
     or stands still), or it is :data:`RATE_GROWTH` times the median of the positive
-    rates before it and still growing (a schedule that explodes: ``decay_rate`` above 1).
+    rates before it and still growing (a schedule that explodes: ``decay_rate`` above 1),
+    or it rose at every step of the second half and is 1.5 times its value half-way (a
+    warmup that does not end). Called only for values that overflowed
+    (:data:`GROWTH_CAUSES`).
     """
     rates = [float(r) for r in rates]
     if not rates or not np.isfinite(rates[-1]):
@@ -664,19 +669,20 @@ def rate_cause(rates: Sequence[float]) -> str | None:
     if last <= 0:
         first_bad = next(i for i, r in enumerate(rates) if r <= 0)
         peak = max(rates)
-        since = (f"; it fell to 0 or below at step {first_bad} (peak {peak:.3g})"
+        since = (f"; it fell to 0 or below at step {first_step + first_bad} (peak {peak:.3g})"
                  if len(rates) > 1 and peak > 0 else "")
-        return f"the learning rate at the failing step (step {len(rates) - 1}) is {last:.3g}{since}"
+        return f"the learning rate at the failing step (step {first_step + len(rates) - 1}) is {last:.3g}{since}"
     positive = [r for r in rates[:-1] if r > 0]
     if len(positive) >= 2 and last >= RATE_GROWTH * float(np.median(positive)) and last >= rates[-2]:
-        return (f"the learning rate at the failing step (step {len(rates) - 1}) is {last:.3g}, "
+        return (f"the learning rate at the failing step (step {first_step + len(rates) - 1}) is {last:.3g}, "
                 f"{last / float(np.median(positive)):.3g} times the median of the steps before it "
                 f"({float(np.median(positive)):.3g}) and still growing")
     half = len(rates) // 2
     if len(rates) >= 8 and rates[half] > 0 and last >= 1.5 * rates[half] and all(
             b >= a for a, b in zip(rates[half:], rates[half + 1:])):
-        return (f"the learning rate rose step after step to {last:.3g} at the failing step (step {len(rates) - 1}; "
-                f"{rates[half]:.3g} at step {half}): the weights grew as it rose (a warmup that does not end)")
+        return (f"the learning rate rose step after step to {last:.3g} at the failing step "
+                f"(step {first_step + len(rates) - 1}; {rates[half]:.3g} at step {first_step + half}): the "
+                "weights grew as it rose (a warmup that does not end)")
     return None
 
 

@@ -584,18 +584,18 @@ def _schedule(optimizer):
 MAX_RATES = 4096
 
 
-def rates_to(optimizer) -> list[float]:
-    """The learning rate of every step from the first to the current one (the failing step), as floats.
+def rates_to(optimizer) -> tuple[list[float], int]:
+    """The learning rate of each step up to the current one (the failing step), and the first step's number.
 
-    A schedule is evaluated at steps ``0 .. iterations`` (at most :data:`MAX_RATES`
-    of them, evenly spread, the current one last); a rate is its current value alone.
+    A schedule is evaluated at its last :data:`MAX_RATES` steps at most, the current
+    one last; a rate is its current value alone.
     """
     schedule = _schedule(optimizer)
     step = int(np.asarray(optimizer.iterations.numpy()))
     if schedule is None:
         rate = _rate(optimizer)
-        return [] if rate is None else [rate]
-    points = np.unique(np.linspace(0, step, num=min(step + 1, MAX_RATES)).round().astype(np.int64))
+        return ([] if rate is None else [rate]), step
+    points = np.arange(max(0, step + 1 - MAX_RATES), step + 1, dtype=np.int64)
     with tf.init_scope():
         try:
             values = np.asarray(schedule(tf.constant(points)), np.float64).reshape(-1)
@@ -603,7 +603,7 @@ def rates_to(optimizer) -> list[float]:
                 raise ValueError("a schedule that does not map steps elementwise")
         except Exception:  # noqa: BLE001 - a schedule written for one scalar step
             values = np.array([float(np.asarray(schedule(tf.constant(int(p))))) for p in points])
-    return [float(v) for v in values]
+    return [float(v) for v in values], int(points[0])
 
 
 def _outputs(model, x):
@@ -632,7 +632,7 @@ def from_the_run(d, model, x, y):
     optimizer = _optimizer(model)
     found = None
     if optimizer is not None and d.cause != "nonfinite_input":
-        summary = rate_cause(rates_to(optimizer))
+        summary = rate_cause(*rates_to(optimizer))
         if summary is not None:
             found = "learning_rate", summary
     inputs_finite = not nonfinite_data((x,))  # a NaN in the inputs reaches targets and outputs alike
@@ -742,7 +742,7 @@ def _rate_candidates(d, model, x, y, w, steps):
     rate = _rate(optimizer)
     tries = []
     if d.cause == "learning_rate":
-        rates = rates_to(optimizer)
+        rates = rates_to(optimizer)[0]
         schedule = _schedule(optimizer)
         if schedule is not None:
             found = _schedule_remedy(optimizer, schedule, rates)
