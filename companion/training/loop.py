@@ -36,6 +36,9 @@ from companion.training.results import TrainingHistory, WorkerLostError
 
 #: The most steps one host call runs when ``train`` chooses ``steps_per_execution``.
 MAX_STEPS_PER_EXECUTION = 1024
+#: An older Keras (3.5) unrolls a call's steps, and TensorFlow refuses more than this many
+#: ``get_next`` calls of one iterator in one function.
+UNROLLED_STEPS = 32
 #: The fewest steps (epochs times steps per epoch) of a call for which ``train`` chooses
 #: several steps per host call, at least, and per trainable variable. Keras' multi-step
 #: loop costs a first call about as much to trace and optimise as some 30 host calls
@@ -147,6 +150,7 @@ def train(
     max_consecutive_nonfinite: int = 10,
     max_rollbacks: int = 3,
     rollback_lr_factor: float = 0.5,
+    snapshot_every_steps: int | None = None,
     skip_loss_spikes: float | None = None,
     checkpoint_dir: str | os.PathLike | None = None,
     on_worker_loss: str = "exit",
@@ -188,7 +192,9 @@ def train(
             factor (0 < f < 1; a schedule is wrapped) and go on; after ``max_rollbacks``
             rollbacks, raise with that state in place. Where the NaN doctor puts the
             cause in the data or a function's domain, raise at once. Each rollback is
-            recorded in ``history.rollbacks``.
+            recorded in ``history.rollbacks``. ``snapshot_every_steps``: also snapshot
+            every so many steps (default ``recovery.SNAPSHOT_EVERY_STEPS``; 0: epoch
+            starts only), each time only after steps that were all finite.
         skip_loss_spikes: ``z`` or ``None``: also skip (``reason="spike"``) a step whose
             finite loss is over ``z`` running standard deviations above the running
             mean of the applied steps' losses (after 20 steps; decided on the device).
@@ -228,6 +234,8 @@ def train(
     rollback_lr_factor = check_positive_number("rollback_lr_factor", rollback_lr_factor)
     if not rollback_lr_factor < 1:
         raise ValueError(f"rollback_lr_factor must be in (0, 1), got {rollback_lr_factor!r}")
+    if snapshot_every_steps is not None:
+        snapshot_every_steps = check_int("snapshot_every_steps", snapshot_every_steps, 0)
     skip_loss_spikes = check_positive_number("skip_loss_spikes", skip_loss_spikes, allow_none=True)
     if skip_loss_spikes is not None and on_nonfinite == "ignore":
         raise ValueError("skip_loss_spikes needs the guard: it cannot be used with on_nonfinite='ignore'")
@@ -315,7 +323,7 @@ def train(
     )
     recovery = Recovery(
         model, step, history, limit=limit, max_rollbacks=max_rollbacks, factor=rollback_lr_factor,
-        verbose=fit_arguments["verbose"] != 0,
+        verbose=fit_arguments["verbose"] != 0, snapshot_every=snapshot_every_steps,
     ) if rollback else None
     guard_callback = GuardCallback(step, history, on_nonfinite=on_nonfinite, limit=limit, doctor=doctor,
                                    recovery=recovery)
@@ -465,8 +473,9 @@ def _steps_per_execution(x, batch_size, steps_per_epoch, validation_split, whole
     ``epochs`` of the call run at least :data:`MIN_STEPS_FOR_LOOP` steps and
     :data:`MIN_STEPS_FOR_LOOP_PER_VARIABLE` per trainable variable (else 1).
 
-    With ``whole_epochs_only`` (an older Keras that drops a short last call), only an
-    epoch of at most ``MAX_STEPS_PER_EXECUTION`` batches runs in one call; else 1.
+    With ``whole_epochs_only`` (an older Keras that drops a short last call and unrolls
+    a call's steps, of which TensorFlow takes at most :data:`UNROLLED_STEPS` iterator
+    reads), the largest divisor of the epoch's batches up to that.
     """
     batches = None
     if steps_per_epoch:
@@ -482,10 +491,12 @@ def _steps_per_execution(x, batch_size, steps_per_epoch, validation_split, whole
         if rows is not None:
             rows = int(rows * (1 - (validation_split or 0.0)))
             batches = max(1, math.ceil(rows / (batch_size or 32)))
-    if batches is None or (whole_epochs_only and batches > MAX_STEPS_PER_EXECUTION):
+    if batches is None:
         return 1
     if batches * max(int(epochs), 1) < max(MIN_STEPS_FOR_LOOP, MIN_STEPS_FOR_LOOP_PER_VARIABLE * variables):
         return 1
+    if whole_epochs_only:
+        return max(d for d in range(1, min(batches, UNROLLED_STEPS) + 1) if batches % d == 0)
     return max(1, min(batches, MAX_STEPS_PER_EXECUTION))
 
 

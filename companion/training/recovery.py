@@ -52,14 +52,14 @@ from companion.training.records import nonfinite_error
 from companion.training.results import Rollback, TrainingHistory
 from companion.training.step import GuardedStep, _random_state, model_optimizers
 
-#: The doctor's causes that no learning rate cures: the data (a NaN or Inf in the batch,
-#: a weight set non-finite before training) or a function used outside or at the edge of
-#: its domain (log of 0, a division by 0, a power of a negative base, an infinite
+#: The doctor's causes that no learning rate cures: the data (a NaN or Inf in the batch, a
+#: label outside the classes, a weight set non-finite before training) or a function used
+#: outside or at the edge of its domain (log of 0, a division by 0, a power of a negative base, an infinite
 #: derivative, a ``tf.where`` whose other branch is NaN). ``train(...,
 #: on_nonfinite="rollback")`` stops at once on these instead of rolling back.
 RATE_CANNOT_CURE = frozenset({
     "nonfinite_input", "nonfinite_init", "log_of_zero", "division_by_zero", "domain_edge", "pow_negative_base",
-    "singular_derivative", "where_trap",
+    "singular_derivative", "where_trap", "label_out_of_range",
 })
 
 #: A snapshot replaces the last one only when the mean loss of the steps applied since the

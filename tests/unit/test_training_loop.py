@@ -533,3 +533,18 @@ def test_the_doctor_finds_the_first_skipped_batch_of_arrays_and_skips_inputs_it_
 
     history = train(make_model(), batches(), loss="mse", optimizer=keras.optimizers.SGD(0.01), verbose=0)
     assert history.skipped == [2] and history.reports[0].diagnosis is None
+
+
+def test_an_older_keras_runs_at_most_32_steps_per_host_call_dividing_the_epoch():
+    """Keras 3.5 unrolls a call's steps (TensorFlow refuses more than 32 iterator reads in
+    one function) and drops a short last call: the largest divisor of the epoch up to 32."""
+    from companion.training.loop import UNROLLED_STEPS, _steps_per_execution
+
+    def chosen(batches):
+        x = np.zeros((batches * 4, 1), "float32")
+        return _steps_per_execution(x, 4, None, 0.0, whole_epochs_only=True, epochs=3)
+
+    assert UNROLLED_STEPS == 32
+    assert [chosen(b) for b in (64, 40, 37, 96, 12)] == [32, 20, 1, 32, 12]
+    x = np.zeros((64 * 4, 1), "float32")
+    assert _steps_per_execution(x, 4, None, 0.0, epochs=3) == 64  # a newer Keras: the whole epoch
