@@ -46,6 +46,7 @@ from companion._internal.keras_trainer import (
     build_compiled_state,
     is_default_callback_method,
     multi_step_loop_ends_short_calls,
+    own_step_unbuilt,
     repair_symbolic_build_for_multi_worker,
     running_fit_arguments,
     running_fit_locals,

@@ -74,6 +74,7 @@ def _builds_no_variable(model) -> bool:
     return isinstance(outputs, (list, tuple)) and len(outputs) == 1
 
 
+@hook('test_keras_defines_its_train_step_in_its_own_modules_and_fit_builds_an_own_step_model_in_it')
 def own_step_unbuilt(model) -> bool:
     """Whether ``model`` has its own ``train_step`` and a layer not built yet.
 

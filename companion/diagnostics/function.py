@@ -137,8 +137,7 @@ def _called_twice(tracer) -> str | None:
     """
     limit = float(np.finfo(np.float32).max) ** 0.25
     runs: dict = {}
-    for tensor in tracer._alive:
-        record = tracer._by_output.get(id(tensor))
+    for tensor, record in tracer.kept_outputs():
         if record is None or record.layer is None or record.op_type not in ("MatMul", "BatchMatMulV2", "Einsum"):
             continue
         try:

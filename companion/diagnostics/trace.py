@@ -131,13 +131,17 @@ class OpTracer:
         self._by_output: dict[int, OpRecord] = {}
         self._by_type: dict[str, list[OpRecord]] = {}
         self._alive: list[Any] = []  # keeps traced tensors alive, so their ids stay unique
-        self._count = 0
+        self.events_seen = 0
         self.masked_selects: list[OpRecord] = []
         self.nonfinite_writes = 0  # assignments of a non-finite value to a variable
         self.writes = 0  # every write of a variable (an assignment, an optimizer's apply)
         self.stopped = False
         self._thread = threading.get_ident()
 
+
+    def kept_outputs(self) -> list:
+        """The traced output tensors kept alive, each with its op's record (or ``None``)."""
+        return [(tensor, self._by_output.get(id(tensor))) for tensor in self._alive]
     def __call__(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
         # Graph construction: hand the outputs on untouched (the next callback, e.g.
         # TensorFlow's check-numerics, receives what we return as the op's outputs).
@@ -152,7 +156,7 @@ class OpTracer:
                 self.nonfinite_writes += 1  # a variable is assigned a NaN or an Inf
         if op_type in _IGNORED_OPS or op_type.startswith("__inference"):
             return outputs
-        self._count += 1
+        self.events_seen += 1
         frame = sys._getframe(1)
         backprop = _internal.backprop_forward_op(frame)
         stage = self.stage
@@ -189,7 +193,7 @@ class OpTracer:
                 forward=forward,
                 forward_type=backprop["op_type"] if backprop else None,
                 outputs=tuple(values),
-                index=self._count,
+                index=self.events_seen,
             )
             self.events.append(event)
             if self.stop_at_first:
@@ -325,7 +329,7 @@ def raised(error: BaseException, tracer: OpTracer) -> OpEvent | None:
         filename = lineno = None  # a compiled Keras loss: no line of the user's makes the op
     record = OpRecord(op_type=op, stage=tracer.stage, scope="", layer=layer, filename=filename, lineno=lineno,
                       inputs=inputs, nonfinite=True)
-    return OpEvent(record=record, forward=None, forward_type=None, outputs=values, index=tracer._count + 1)
+    return OpEvent(record=record, forward=None, forward_type=None, outputs=values, index=tracer.events_seen + 1)
 
 
 def _called_by_the_doctor(frame, filename: str) -> bool:

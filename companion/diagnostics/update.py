@@ -383,11 +383,10 @@ def _owner_path(model, variable) -> str | None:
 
 
 def _owner_layer(model, variable):
-    for layer in _internal.all_layers(model)[1:]:
-        if any(v is variable for v in getattr(layer, "_trainable_variables", []) + getattr(
-                layer, "_non_trainable_variables", [])):
-            return layer
-    return None
+    """The innermost layer holding ``variable`` (of those that hold it, the one with the
+    fewest weights: a layer's weights include its sublayers')."""
+    owners = [layer for layer in _internal.all_layers(model)[1:] if any(v is variable for v in layer.weights)]
+    return min(owners, key=lambda layer: len(layer.weights)) if owners else None
 
 
 def _float32_copy_run(model, layer, x, y=None, w=None, dtype="float32"):

@@ -15,7 +15,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from companion._internal.keras_trainer import own_step_unbuilt
+from companion._internal import own_step_unbuilt
 from companion.diagnostics.state import components
 from companion.losses import check_keras_loss_shapes, resolve_loss
 

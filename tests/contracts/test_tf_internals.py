@@ -390,6 +390,33 @@ def test_keras_builds_compiled_metrics_from_an_element_spec():
     assert len(model.metrics_variables) == 4  # loss total/count, mae total/count: built before any step
 
 
+def test_keras_defines_its_train_step_in_its_own_modules_and_fit_builds_an_own_step_model_in_it():
+    # own_step_unbuilt tells Keras' train_step from a model's own by the module of the class
+    # that defines it, and relies on fit building nothing before such a model's first step.
+    keras_step = next(k for k in type(keras.Sequential()).__mro__ if "train_step" in vars(k))
+    assert keras_step.__module__.startswith("keras.")
+
+    class OwnStep(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(1)
+
+        def call(self, inputs):
+            return self.dense(inputs)
+
+        def train_step(self, data):
+            x, y = data
+            self.dense(tf.zeros([tf.shape(x)[0], 2]))  # a call on other inputs than the data
+            return {"loss": tf.constant(0.0)}
+
+    model = OwnStep()
+    model.compile(optimizer="sgd")
+    assert _internal.own_step_unbuilt(model)
+    assert not _internal.own_step_unbuilt(keras.Sequential([keras.layers.Dense(1)]))
+    model.fit(np.zeros((4, 3), "float32"), np.zeros((4, 1), "float32"), verbose=0)
+    assert model.dense.kernel.shape == (2, 1)  # built by the step, not by the data's shape
+
+
 def test_restore_on_create_passes_a_checkpoint_value_that_is_recognised():
     # A variable created after `restore()` (Keras' and tf.Module's "restore on create")
     # receives its checkpoint value as initial_value through every variable creator;
