@@ -39,7 +39,7 @@ separators (``2,100,225``) or an exponent (``1e-7``), that is not:
    or a ``{cite}`` role, in the same sentence; these are trusted as cited. Two sources are checked, and
    count for their whole paragraph (or list item): a ``{doc}`` link (or a markdown link) to another page
    of the book, whose numbers by rules 1 and 2 the paragraph may state, and a repository file named in
-   inline code (``benchmarks/scale.py``, ``companion/training/step.py``: the number must be in that file,
+   inline code (``benchmarks/scale.py``, ``companion/training/spikes.py``: the number must be in that file,
    as a literal; with ``%``, times 100).
 
 **A verdict** is *not resolved* (无法判定), or *met* / *missed* in italics or in a sentence about a
@@ -344,8 +344,8 @@ def test_a_cited_page_or_file_is_checked_not_trusted():
     assert not findings(intro, "Of the 1612 entries, 1442 ({doc}`case_a/clipping_and_guards`).")
     assert findings(intro, "Of the 1613 entries ({doc}`case_a/clipping_and_guards`).")
     page = ROOT / "book" / "reference" / "differences_from_fit.md"
-    assert not findings(page, "After 20 steps (`companion/training/step.py`).")
-    assert findings(page, "After 21 steps (`companion/training/step.py`).")
+    assert not findings(page, "After 20 steps (`companion/training/spikes.py`).")
+    assert findings(page, "After 21 steps (`companion/training/spikes.py`).")
     performance = ROOT / "book" / "tools" / "performance.ipynb"
     row = next(row for result in _results() if result.benchmark != "scale" for row in result.ratios
                if row["verdict"] == "not resolved")
