@@ -481,14 +481,22 @@ def _moving_diagnosis(model, moved, index, x, y=None, w=None) -> Diagnosis:
     )
 
 
+#: How IPython and ipykernel name a notebook cell's code (its source is kept in linecache).
+_CELL = re.compile(r"^<ipython-input-\d+-[0-9a-f]+>$|ipykernel_\d+[/\\]\d+\.py$")
+
+
 def _user_files() -> list[str]:
+    """The user's files on the stack, then the notebook cells run so far, latest first (the
+    optimizer or the layer may have been made in an earlier cell than the one that runs)."""
     files = []
     frame = inspect.currentframe()
     while frame is not None:
         name = frame.f_code.co_filename
-        if not is_library_file(name) and os.path.exists(name) and name not in files:
+        if (not is_library_file(name) and name not in files
+                and (os.path.exists(name) or (_CELL.search(name) and linecache.getlines(name)))):
             files.append(name)
         frame = frame.f_back
+    files += [name for name in reversed(list(linecache.cache)) if _CELL.search(name) and name not in files]
     return files
 
 

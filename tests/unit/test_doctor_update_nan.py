@@ -295,3 +295,26 @@ def test_a_weight_the_update_carries_beyond_float16s_range_is_named_with_its_flo
     model, x, y = _gain("mixed_float16")  # the remedy, as printed: the failing step is finite with it
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     assert _all_finite(model)
+
+
+def test_the_line_that_made_the_optimizer_is_found_in_an_earlier_notebook_cell():
+    """In Jupyter or Colab a cell's code is no file on disk: ipykernel names it like
+    /tmp/ipykernel_<pid>/<hash>.py and keeps its source in linecache. The optimizer made in
+    one cell and diagnosed from another is named at that cell's line."""
+    import linecache
+
+    from companion.book.mechanisms import half_precision_regression
+    from companion.diagnostics import diagnose
+
+    cell = "/tmp/ipykernel_4242/2718281828.py"
+    source = "import keras\n\noptimizer = keras.optimizers.Adam(2e-3, epsilon=1e-8)\n"
+    linecache.cache[cell] = (len(source), None, source.splitlines(True), cell)
+    try:
+        namespace: dict = {}
+        exec(compile(source, cell, "exec"), namespace)
+        model, x, y = half_precision_regression(optimizer=namespace["optimizer"])
+        d = diagnose(model, (x, y))
+    finally:
+        del linecache.cache[cell]
+    assert d is not None and d.cause == "nonfinite_update"
+    assert d.source == f"{cell}:3" and "epsilon=1e-8" in d.code, (d.source, d.code)
