@@ -70,9 +70,16 @@ def colab_install_spec(url: str | None = None, version: str | None = None) -> st
     return f"nan-gradients-companion @ git+{url}@{install_ref(version)}"
 
 
+#: The extra the install cell asks for: what the chapters import beside ``companion``
+#: (matplotlib, mpmath), which a fresh environment may not have.
+BOOK_EXTRA = "book"
+
+
 def colab_cell_source(url: str | None = None, version: str | None = None) -> str:
-    """Source of the first code cell of every chapter: install `companion` if it is missing."""
+    """Source of the first code cell of every chapter: install `companion`, with the ``book``
+    extra (what the chapters import beside it), if it is missing."""
     name, code = colab_install_spec(url, version).split(" @ ")
+    name = f"{name}[{BOOK_EXTRA}]"
     # The URL goes through a variable (IPython expands {code} in the magic's line) so that
     # no line of the cell is wider than the book's 88 characters.
     return (

@@ -101,7 +101,36 @@ def test_install_cell_is_valid_ipython_and_installs_nothing_where_companion_is_i
 def test_install_cell_installs_this_version_wherever_companion_is_missing(monkeypatch):
     calls = _run_install_cell(monkeypatch, companion_importable=False)
     assert len(calls) == 1 and calls[0][0] == "pip"
-    assert calls[0][1] == f'install --quiet "{book_tools.colab_install_spec()}"'
+    name, code = book_tools.colab_install_spec().split(" @ ")
+    # With the book extra: what the chapters import beside companion (a fresh environment,
+    # a downloaded notebook, may have neither matplotlib nor mpmath).
+    assert calls[0][1] == f'install --quiet "{name}[book] @ {code}"'
+
+
+def test_the_book_extra_holds_every_package_the_chapters_import_beside_companion():
+    import ast
+    import pathlib
+    import sys
+    import tomllib
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    # companion's own requirements, the standard library, and the kernel that runs a notebook.
+    provided = {"companion", "keras", "tensorflow", "numpy", "IPython", *sys.stdlib_module_names}
+    extra = {re.split(r"[<>=\[; ]", spec)[0].lower() for spec in project["optional-dependencies"]["book"]}
+    imported = set()
+    for path in sorted(root.glob("book/**/*.ipynb")):
+        for cell in json.loads(path.read_text())["cells"]:
+            if cell["cell_type"] != "code":
+                continue
+            source = "\n".join(line for line in "".join(cell["source"]).splitlines()
+                               if not line.lstrip().startswith(("%", "!")))
+            for node in ast.walk(ast.parse(source)):
+                if isinstance(node, ast.Import):
+                    imported |= {a.name.split(".")[0] for a in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                    imported.add(node.module.split(".")[0])
+    assert imported - provided <= extra, sorted(imported - provided - extra)
 
 
 def test_install_cell_names_the_tag_of_a_release_and_the_branch_of_a_development_version():
