@@ -88,9 +88,10 @@ MIN_STEPS_FOR_LOOP_PER_VARIABLE = 4
 #   wait), then at most 30 s. The tests kill workers at every moment of training and
 #   require 60 s.
 # * Recovery (:mod:`companion.training.recovery`): ``on_nonfinite="rollback"`` restores
-#   a snapshot taken at the start of an epoch after a good one (no non-finite step, a
-#   loss at most twice the lowest: ``SNAPSHOT_GROWTH``) from
-#   a callback after the host call in which the limit was reached, so the steps after
+#   the last snapshot (considered at every epoch start and every ``snapshot_every_steps``
+#   steps, taken when no step since the last such point was non-finite and their mean loss
+#   is at most ``SNAPSHOT_GROWTH`` times the lowest mean of ``SNAPSHOT_WINDOW`` applied
+#   steps) from a callback after the host call in which the limit was reached, so the steps after
 #   it in that call ran and are recorded (and undone); the doctor's diagnosis of the
 #   run's first step decides (``RATE_CANNOT_CURE``). A schedule is wrapped in
 #   ``ScaledSchedule`` and the step traced again; a resumed run scales it again from
