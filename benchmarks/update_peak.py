@@ -14,7 +14,7 @@ process does not give exactly):
 * ``conditional``: the update under ``tf.cond`` on that test (all variables at once);
 * ``one at a time``: the same conditional, its large variables' updates chained one after
   another (:func:`companion._gradients.one_update_at_a_time`, which ``train``,
-  ``NaNDoctor`` and ``SkipNonFinite`` use).
+  ``NaNDoctor`` and ``SkipNonFinite`` use where a GPU or a TPU is; here forced on the CPU).
 
 Each ratio is a variant's peak minus ``plain``'s, as a multiple of the weights' bytes,
 median of the rounds with their quartiles; the target is ``train``'s of issue 41 (0.25).
@@ -76,7 +76,7 @@ def child(variant: str, width: int, batch: int) -> dict:
 
         def update():
             if variant == "one at a time":
-                with one_update_at_a_time(optimizer):
+                with one_update_at_a_time(optimizer, on_cpu=True):
                     optimizer.apply(grads, model.trainable_variables)
             else:
                 optimizer.apply(grads, model.trainable_variables)

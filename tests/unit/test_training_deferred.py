@@ -205,6 +205,27 @@ def _writes(graph, variable) -> list:
             if op.type.startswith("Assign") and any(t is handle for t in op.inputs)]
 
 
+def test_on_a_cpu_alone_the_updates_are_not_chained():
+    """Chained updates cost a CPU wall time (their ops lose their overlap) and its memory is
+    seldom the limit: only an accelerator's updates are chained, unless asked."""
+    from companion._gradients import one_update_at_a_time
+
+    if tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("TPU"):
+        pytest.skip("an accelerator is present")
+    optimizer = keras.optimizers.Adam()
+    seen = {}
+
+    @tf.function
+    def traced():
+        for on_cpu in (False, True):
+            with one_update_at_a_time(optimizer, on_cpu=on_cpu):
+                seen[on_cpu] = "update_step" in vars(optimizer)
+        return tf.constant(0)
+
+    traced()
+    assert seen == {False: False, True: True}
+
+
 @pytest.mark.parametrize("name", ["Adam", "SGD-momentum", "Lion"])
 def test_large_variables_are_updated_one_after_another_and_to_the_same_bits(name):
     from companion._gradients import CHAIN_FROM, one_update_at_a_time
@@ -224,7 +245,7 @@ def test_large_variables_are_updated_one_after_another_and_to_the_same_bits(name
             @tf.function
             def step():
                 if chained:
-                    with one_update_at_a_time(optimizer):
+                    with one_update_at_a_time(optimizer, on_cpu=True):
                         optimizer.apply(grads, variables)
                 else:
                     optimizer.apply(grads, variables)
