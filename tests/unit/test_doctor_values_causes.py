@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 import keras
+import pytest
 import tensorflow as tf
 
 from companion.diagnostics import CAUSES, NaNDoctor, diagnose, diagnose_function
