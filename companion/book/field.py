@@ -28,7 +28,7 @@ import tensorflow as tf
 
 __all__ = ["FIELD_REPORTS", "FieldRebuild", "batch_losses", "describe", "field_rebuild"]
 
-#: The rebuilt reports: key -> (what the reporter saw, the report's URL).
+#: The rebuilt reports, each key -> (what the reporter saw, the report's URL).
 FIELD_REPORTS: dict[str, tuple[str, str]] = {
     "ethogram": ("bias initialised to -inf for a behaviour with no examples",
                  "https://github.com/jbohnslav/deepethogram/issues/15"),

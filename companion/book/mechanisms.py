@@ -166,7 +166,7 @@ def standardized_dataset(safe: bool = False, seed: int = 0):
 
     Returns:
         ``(model, dataset)``: a compiled ``Dense(1)`` and the batched, mapped dataset
-        (:func:`standardize_features`, or :func:`standardize_features_safe` with ``safe``).
+        (``standardize_features``, or ``standardize_features_safe`` with ``safe``).
 
     Example:
         >>> model, data = standardized_dataset(safe=True)
@@ -508,8 +508,8 @@ def update_steps(model, x, y, steps: int = 2) -> list[dict[str, Any]]:
     """Full-batch steps of ``model``'s compiled optimizer on the mean squared error.
 
     Returns:
-        One dict a step: ``"loss"`` (before its update, a float), ``"gradients finite"``
-        and ``"weights finite"`` (after its update).
+        A list with a dict for each step, of ``"loss"`` (before its update, a float),
+        ``"gradients finite"`` and ``"weights finite"`` (after its update).
 
     Example:
         >>> model, x, y = half_precision_regression()

@@ -28,7 +28,7 @@ __all__ = [
 ]
 
 FEATURES = 8
-#: The diverging run's batch size (2048 rows: 64 steps an epoch).
+#: The diverging run's batch size (2048 rows, so 64 steps an epoch).
 BATCH = 32
 #: The spiky run's batch size and batches per epoch.
 SPIKY_BATCH, SPIKY_BATCHES = 64, 128
@@ -99,7 +99,7 @@ def without_outliers(x: np.ndarray, y: np.ndarray,
 
 
 class StepLoss(keras.callbacks.Callback):
-    """The loss of every step of a ``fit``, in :attr:`losses`.
+    """The loss of every step of a ``fit``, in ``losses``.
 
     Keras logs, after batch ``k`` of an epoch, the mean ``m_k`` of the epoch's losses so
     far; the step's own loss is ``(k + 1) m_k - k m_{k-1}``. Once a mean is ``NaN`` every
