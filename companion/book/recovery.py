@@ -27,6 +27,7 @@ __all__ = [
     "diverging_model", "plot_losses", "regression", "spiky_data", "spiky_model", "without_outliers",
 ]
 
+#: The features of both runs' regressions.
 FEATURES = 8
 #: The diverging run's batch size (2048 rows, so 64 steps an epoch).
 BATCH = 32
@@ -79,8 +80,10 @@ def spiky_data(outliers: Sequence[int] = OUTLIER_BATCHES,
     Example:
         >>> x, y = spiky_data()
         >>> clean = regression(len(x), seed=1)[1]
-        >>> bool(np.allclose(y[40 * 64], 300 * clean[40 * 64])), bool((y[:64] == clean[:64]).all())
-        (True, True)
+        >>> bool(np.allclose(y[40 * 64], 300 * clean[40 * 64]))
+        True
+        >>> bool((y[:64] == clean[:64]).all())
+        True
     """
     x, y = regression(SPIKY_BATCH * SPIKY_BATCHES, seed=1)
     y = y.copy()
