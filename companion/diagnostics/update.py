@@ -183,7 +183,7 @@ def _call(optimizer, **changes) -> str:
         default = {}
     shown = []
     for key, value in {**config, **changes}.items():
-        if key in ("name",) or (key not in changes and key in default and default[key] == value):
+        if key in ("name",) or (key not in changes and key in default and _same(default[key], value)):
             continue
         if isinstance(value, dict):
             return ""  # a schedule: no one-line call
@@ -191,6 +191,13 @@ def _call(optimizer, **changes) -> str:
             value = float(np.format_float_positional(np.float32(value), trim="-"))
         shown.append(f"{key}={value!r}")
     return f"keras.optimizers.{cls.__name__}({', '.join(shown)})"
+
+
+def _same(default, value) -> bool:
+    """``value`` is the default, a float read back from a float32 variable included."""
+    if isinstance(default, float) and isinstance(value, float):
+        return math.isclose(default, value, rel_tol=1e-6)
+    return default == value
 
 
 def _safe_epsilon(dtype) -> float:
