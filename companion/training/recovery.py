@@ -50,7 +50,8 @@ from companion.diagnostics.causes import CAUSES
 from companion.diagnostics.state import components
 from companion.training.records import nonfinite_error
 from companion.training.results import Rollback, TrainingHistory
-from companion.training.step import GuardedStep, _random_state, model_optimizers
+from companion.training.holdings import model_optimizers, random_state
+from companion.training.step import GuardedStep
 
 #: The doctor's causes that no learning rate cures: the data (a NaN or Inf in the batch, a
 #: label outside the classes, a weight set non-finite before training) or a function used
@@ -211,7 +212,7 @@ class Recovery:
     def _variables(self) -> list:
         """Every variable a rollback restores (see the module's docstring)."""
         model = self.model
-        kept = {id(v) for v in _random_state(model)}
+        kept = {id(v) for v in random_state(model)}
         optimizers = model_optimizers(model)
         for optimizer in optimizers:
             rate = _internal.learning_rate_as_given(_inner(optimizer))

@@ -18,8 +18,8 @@ guide's) and decides, after it, whether the step counts.
   ``g_optimizer``; an optimizer first built by the
   step's own ``apply`` is built just before it, and read then). Not the random state
   (a skipped random draw is not drawn again) and not the dynamic loss scale.
-* While the step is traced, its calls on the optimizers are intercepted:
-  ``optimizer.scale_loss(loss)`` notes the loss; ``optimizer.apply(gradients,
+* While the step is traced, its calls on the optimizers are intercepted
+  (:mod:`companion.training.interception`): ``optimizer.scale_loss(loss)`` notes the loss; ``optimizer.apply(gradients,
   variables)`` notes the gradients (for the model's optimizer they are summed across
   replicas once, clipped if asked, and tested before the update).
 * After the step, it is non-finite when its loss (noted, else its logged ``loss`` or
@@ -54,7 +54,6 @@ listed in :mod:`companion.training.patches`. The design is derived in the chapte
 from __future__ import annotations
 
 import contextlib
-import threading
 import types
 import weakref
 from typing import Any
@@ -64,31 +63,19 @@ import numpy as np
 import tensorflow as tf
 
 from companion import _internal
-from companion._gradients import global_norm, nonfinite_counts, one_update_at_a_time, scale_gradient
+from companion._gradients import nonfinite_counts
 from companion.training.bounds import UpdateBound
-from companion.training.deferred import DeferredUpdate, Undeferrable, writes_of_step
+from companion.training.deferred import DeferredUpdate, writes_of_step
+from companion.training.holdings import model_optimizers, random_state
+from companion.training.interception import OptimizerInterception, TraceSlot
 from companion.training.patches import ModelPatches
 from companion.training.buffer import ON_READ, RecordBuffer
 from companion.training.spikes import LossSpikes
 from companion.training.values import SELECT_LIMIT, float_values as _float_values, read as _read
 from companion.training.values import all_finite as _all_finite, entries as _entries
 
-class _TraceSlot(threading.local):
-    """What the intercepted optimizer calls saw while one replica's step was traced."""
 
-    def __init__(self) -> None:
-        self.active = False
-        self.loss = None
-        self.multiplier_fn = None
-        self.record = None
-        self.halted = None
-        self.late = []  # (variable, value before the step) of optimizers built during the step
-        self.grads = {}  # id(variable) -> its gradient, from every optimizer's apply
-        self.norms = []  # the global norms of the applies of optimizers other than the model's
-        self.spike = None  # (spike, threshold) when the update's own conditional tested it
-
-
-class GuardedStep:
+class GuardedStep(OptimizerInterception):
     """A guarded ``train_step`` for one (model, optimizer, strategy, options) set-up.
 
     Args:
@@ -135,7 +122,7 @@ class GuardedStep:
         self.watch_logs = watch_logs and self.replicas == 1
         self.bound = UpdateBound(self.inner, self.variables) if self.deferred and self.inner is not None else None
         self.mode = None  # how the update was compiled, known once traced
-        self._slot = _TraceSlot()
+        self._slot = TraceSlot()
         self.buffer = RecordBuffer(self.capacity, len(self.variables), strategy)
         with strategy.scope():
             self.loss_spikes = None if self.spikes is None else LossSpikes(self.spikes, self.replicas, ON_READ)
@@ -157,7 +144,7 @@ class GuardedStep:
             self.variables = list(model.trainable_variables)
         if not self.guard:
             return []
-        kept = {id(v) for v in _random_state(model)}
+        kept = {id(v) for v in random_state(model)}
         if self.loss_scaler is not None:
             kept.update(id(v) for v in (self.loss_scaler.dynamic_scale, self.loss_scaler.step_counter))
         candidates = [*model.variables, *model.metrics_variables]
@@ -450,212 +437,10 @@ class GuardedStep:
         two traced branches cost a small model more than the counts."""
         return _entries(self.variables) <= SELECT_LIMIT
 
-    def _metric_names(self):
-        return [m.name for m in self.model.metrics]
-
     def _scale(self):
         if self.loss_scaler is None or not self.loss_scaler.built:
             return tf.constant(1.0)
         return tf.cast(tf.convert_to_tensor(self.loss_scaler.dynamic_scale), tf.float32)
-
-    def _global_loss(self, slot):
-        loss = tf.constant(float("nan")) if slot.loss is None else tf.cast(slot.loss, tf.float32)
-        if self.replicas > 1 and slot.loss is not None:
-            # fit's per-replica loss is already divided by the number of replicas.
-            loss = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, loss)
-        return loss
-
-    # -- the optimizer calls the step makes ----------------------------------------------
-
-    def _intercept(self, patches: ModelPatches) -> None:
-        optimizer, slot = self.optimizer, self._slot
-        if optimizer is not None:
-            scale_loss = optimizer.scale_loss
-            apply = optimizer.apply
-
-            def noted_scale_loss(loss):
-                scaled = scale_loss(loss)
-                if slot.active and slot.loss is None:
-                    slot.loss = loss
-                    slot.multiplier_fn = lambda: tf.cast(scale_loss(tf.constant(1.0, loss.dtype)), tf.float32)
-                return scaled
-
-            def guarded_apply(grads, trainable_variables=None):
-                if not slot.active:
-                    return apply(grads, trainable_variables)
-                if slot.record is not None:  # a second apply of the same optimizer
-                    if isinstance(slot.deferred, DeferredUpdate):
-                        raise Undeferrable("the step calls the optimizer's apply twice")
-                    return self._noted_apply(optimizer, apply, grads, trainable_variables)
-                return self._apply(apply, list(grads), trainable_variables)
-
-            patches.set(optimizer, "scale_loss", noted_scale_loss)
-            patches.set(optimizer, "apply", guarded_apply)
-        for other in self.optimizers:
-            if other is optimizer:
-                continue
-            patches.set(other, "apply", self._noting(other, other.apply))
-
-    def _noting(self, optimizer, apply):
-        slot = self._slot
-
-        def noted_apply(grads, trainable_variables=None):
-            if not slot.active:
-                return apply(grads, trainable_variables)
-            return self._noted_apply(optimizer, apply, grads, trainable_variables)
-
-        return noted_apply
-
-    def _noted_apply(self, optimizer, apply, grads, trainable_variables):
-        """An optimizer other than the model's (or its second apply): its gradients are
-        noted for the step's test; the step's end puts back what it wrote."""
-        slot = self._slot
-        grads = list(grads)
-        if trainable_variables is not None:
-            trainable_variables = list(trainable_variables)
-        if not optimizer.built and trainable_variables is not None:
-            # As Keras' apply would, but here, so that the new state's values before the
-            # step are known (a GAN's optimizers are built by their first apply).
-            with tf.init_scope():
-                optimizer.build(trainable_variables)
-            slot.late.extend((v, _read(v)) for v in optimizer.variables)
-        variables = trainable_variables if trainable_variables is not None else []
-        for g, v in zip(grads, variables):
-            if g is not None:
-                slot.grads[id(v)] = g
-        slot.norms.append(global_norm(grads))
-        return apply(grads, trainable_variables)
-
-    def _apply(self, apply, grads, trainable_variables):
-        slot = self._slot
-        if trainable_variables is None:
-            trainable_variables = self.variables
-        trainable_variables = list(trainable_variables)
-        if not self.optimizer.built:
-            # As Keras' apply would, but before the update is traced (masked or not).
-            with tf.init_scope():
-                self.optimizer.build(trainable_variables)
-            if self.guard and not slot.deferred:
-                slot.late.extend((v, _read(v)) for v in self._optimizer_state())
-        # Gradients arrive multiplied by what scale_loss multiplied the loss by (the
-        # dynamic loss scale, the optimizer's loss_scale_factor).
-        multiplier = slot.multiplier_fn() if slot.loss is not None else tf.constant(1.0)
-        present = [i for i, g in enumerate(grads) if g is not None]
-        # A step that does not call scale_loss (its own loss) is tested on its loss later.
-        loss = self._global_loss(slot) if slot.loss is not None else tf.constant(0.0)
-        summed = grads
-        if self.replicas > 1 and present:
-            context = tf.distribute.get_replica_context()
-            reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, [grads[i] for i in present])
-            summed = list(grads)
-            for i, g in zip(present, reduced):
-                summed[i] = g
-        norm = global_norm(summed) / multiplier
-        if self.guard and not self.masked:
-            finite = tf.logical_and(tf.math.is_finite(loss), tf.math.is_finite(norm))
-            applied = tf.logical_and(finite, tf.logical_not(slot.halted))
-            if self.spikes is not None and slot.loss is not None:
-                # A loss spike skips the update's conditional too (the step's end reuses it).
-                slot.spike = self.loss_spikes.test(loss, slot.halted)
-                applied = tf.logical_and(applied, tf.logical_not(slot.spike[0]))
-        else:  # masked: the step's end tests the loss, the norm and what the step wrote
-            applied = tf.raw_ops.LogicalNot(x=slot.halted)
-        update = summed if self.presummed else grads
-        if self.clip is not None:
-            factor = tf.minimum(self.clip / tf.maximum(norm, 1e-30), 1.0)
-            factor = tf.where(tf.math.is_finite(factor), factor, 1.0)
-            update = [scale_gradient(g, factor) for g in update]
-        for g, v in zip(summed, trainable_variables):
-            if g is not None:
-                slot.grads[id(v)] = g
-
-        scale = self._scale()  # before the update may change it
-        if slot.deferred:
-            # The bounds of exactly the variables this apply updates, measured now (at
-            # trace time: the values before the first step of this trace).
-            self.bound.use(trainable_variables)
-            self.bound.measure()
-            bound = norm if self.clip is None else tf.minimum(norm, self.clip)
-            slot.deferred = DeferredUpdate(self, apply, update, trainable_variables, bound)
-            slot.after_apply = len(tf.compat.v1.get_default_graph().get_operations())
-            slot.record = (loss, norm, tf.raw_ops.LogicalNot(x=slot.halted), scale, None)
-            self.mode = "deferred"
-            return self.optimizer.iterations
-        if self.presummed:
-            with _internal.optimizer_all_reduce_skipped(self.inner):
-                self._update(apply, update, trainable_variables, applied)
-        else:
-            self._update(apply, update, trainable_variables, applied)
-        slot.record = (loss, norm, applied, scale, None)
-        return self.optimizer.iterations
-
-    def _optimizer_state(self) -> list:
-        """The model's optimizer's variables but the dynamic loss scale's."""
-        if self.loss_scaler is None:
-            return list(self.optimizer.variables)
-        scale = {id(self.loss_scaler.dynamic_scale), id(self.loss_scaler.step_counter)}
-        return [v for v in self.optimizer.variables if id(v) not in scale]
-
-    def _direct(self) -> list:
-        """What a deferred update writes: the model's trainable variables and its
-        optimizer's state (no copy of them is ever made on the untested path)."""
-        found, seen = [], set()
-        optimizer_state = self._optimizer_state() if self.optimizer is not None and self.optimizer.built else []
-        for v in [*self.model.trainable_variables, *optimizer_state]:
-            if id(v) not in seen:
-                seen.add(id(v))
-                found.append(v)
-        return found
-
-    def run_apply(self, apply, grads, variables):
-        return apply(grads, variables)
-
-    def _update(self, apply, grads, variables, applied) -> None:
-        if not self.guard:
-            self.mode = "unguarded"
-            self.run_apply(apply, grads, variables)
-            return
-        if self.masked:
-            # One replica: the update runs, and the step's end selects, for every
-            # variable the step wrote, between its new and its old value.
-            self.mode = "masked"
-            self.run_apply(apply, grads, variables)
-            return
-        self.mode = "conditional"
-        if self.loss_scaler is not None:
-
-            def skip():
-                # As the loss scaler does on an overflow: halve the scale.
-                scaler = self.loss_scaler
-                scaler.step_counter.assign(0)
-                scaler.dynamic_scale.assign(tf.convert_to_tensor(scaler.dynamic_scale) * 0.5)
-                return tf.constant(0)
-        else:
-
-            def skip():
-                return tf.constant(0)
-
-        def run():
-            with one_update_at_a_time(self.inner):
-                self.run_apply(apply, grads, variables)
-            return tf.constant(0)
-
-        if self.replicas > 1 and not _internal.strategy_supports_no_merge_call():
-            context = tf.distribute.get_replica_context()
-
-            def cross_replica(distribution, grads, applied):
-                def apply_each():
-                    distribution.extended.call_for_each_replica(
-                        lambda g: self.run_apply(apply, g, variables), args=(grads,)
-                    )
-                    return tf.constant(0)
-
-                value = distribution.experimental_local_results(applied)[0]
-                tf.cond(value, apply_each, skip)
-
-            context.merge_call(cross_replica, args=(grads, applied))
-        else:
-            tf.cond(applied, run, skip)
 
     # -- the host side -------------------------------------------------------------------
 
@@ -669,44 +454,6 @@ class GuardedStep:
     def nonfinite_logs(self, row: int) -> list[str]:
         """The logged values that were not finite at ``row`` of the last drained records."""
         return self.buffer.nonfinite_logs(row)
-
-
-def _random_state(model) -> list:
-    """The state of every ``keras.random.SeedGenerator`` of ``model`` (moves on when skipped)."""
-    found = []
-    for layer in _internal.all_layers(model):
-        for value in vars(layer).values():
-            if isinstance(value, keras.random.SeedGenerator):
-                found.append(value.state)
-    found.extend(v for v in model.variables if v.name == "seed_generator_state")
-    return found
-
-
-def model_optimizers(model) -> list:
-    """``model.optimizer`` and every other optimizer the model or one of its layers holds
-    (a GAN's ``d_optimizer`` and ``g_optimizer``), each once; a loss-scale optimizer's
-    inner optimizer is not listed apart from it."""
-    found: list = []
-
-    def add(value):
-        if isinstance(value, keras.optimizers.Optimizer) and all(value is not o for o in found):
-            inner = getattr(value, "inner_optimizer", None)
-            found[:] = [o for o in found if o is not inner]
-            if not any(getattr(o, "inner_optimizer", None) is value for o in found):
-                found.append(value)
-
-    add(getattr(model, "optimizer", None))
-    for layer in _internal.all_layers(model):
-        for value in list(vars(layer).values()):
-            if isinstance(value, (list, tuple)):
-                for item in value:
-                    add(item)
-            elif isinstance(value, dict):
-                for item in value.values():
-                    add(item)
-            else:
-                add(value)
-    return found
 
 
 #: The models whose ``fit`` runs a guarded step now (``train``'s, or the NaN doctor's).

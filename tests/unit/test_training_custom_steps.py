@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 from companion.training import train
-from companion.training.step import model_optimizers
+from companion.training.holdings import model_optimizers
 from keras_io_models import GuideModel
 
 RNG = np.random.default_rng(0)
