@@ -13,67 +13,23 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from companion.book import field
+from companion.book.field import field_rebuild
 from companion.diagnostics import diagnose
 
 HERE = __file__
-STEPS = 40  # diffusion timesteps
+FIELD = field.__file__  # where the rebuilt Min-SNR model's lines are
 
 
-def line_of(marker: str) -> int:
-    """The line of this file that ends with ``# <marker>``."""
-    lines = open(HERE).read().splitlines()
+def line_of(marker: str, path: str = HERE) -> int:
+    """The line of ``path`` (by default this file) that ends with ``# <marker>``."""
+    lines = open(path).read().splitlines()
     return next(i for i, line in enumerate(lines, start=1) if line.rstrip().endswith(f"# {marker}"))
 
 
-def _zero_terminal_alphas_cumprod() -> np.ndarray:
-    """A linear schedule rescaled to zero terminal SNR: alpha_bar at the last step is exactly 0."""
-    betas = np.linspace(1e-4, 0.2, STEPS)
-    alphas_bar_sqrt = np.sqrt(np.cumprod(1.0 - betas))
-    first, last = alphas_bar_sqrt[0], alphas_bar_sqrt[-1]
-    alphas_bar_sqrt = (alphas_bar_sqrt - last) * first / (first - last)
-    return (alphas_bar_sqrt ** 2).astype("float32")
-
-
-class MinSNRDiffusion(keras.Model):
-    """A denoiser trained with the Min-SNR-5 loss weight, timesteps and noise drawn in train_step."""
-
-    def __init__(self, fixed=False):
-        super().__init__()
-        self.fixed = fixed
-        self.alphas_cumprod = tf.constant(_zero_terminal_alphas_cumprod())
-        self.seed_generator = keras.random.SeedGenerator(42)
-        self.denoiser = keras.Sequential([keras.Input((5,)), keras.layers.Dense(16, activation="relu"),
-                                          keras.layers.Dense(4)], name="denoiser")
-
-    def call(self, inputs):
-        return self.denoiser(inputs)
-
-    def train_step(self, images):
-        batch = tf.shape(images)[0]
-        t = keras.random.randint((batch,), 0, STEPS, seed=self.seed_generator)
-        noise = keras.random.normal(tf.shape(images), seed=self.seed_generator)
-        alpha_bar = tf.gather(self.alphas_cumprod, t)[:, None]
-        noisy = tf.sqrt(alpha_bar) * images + tf.sqrt(1.0 - alpha_bar) * noise
-        snr = alpha_bar / (1.0 - alpha_bar)
-        if self.fixed:  # the remedy, as printed
-            weight = tf.math.divide_no_nan(tf.minimum(snr, 5.0), snr)
-        else:
-            weight = tf.minimum(snr, 5.0) / snr  # min-snr
-        with tf.GradientTape() as tape:
-            step = tf.cast(t, tf.float32)[:, None] / STEPS
-            predicted = self(tf.concat([noisy, step], axis=-1), training=True)
-            loss = tf.reduce_mean(weight * tf.square(predicted - noise))
-        grads = tape.gradient(loss, self.trainable_variables)
-        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
-        return {"loss": loss}
-
-
 def _diffusion(fixed=False):
-    keras.utils.set_random_seed(0)
-    model = MinSNRDiffusion(fixed)
-    model.compile(optimizer=keras.optimizers.Adam(1e-3))
-    images = np.random.default_rng(0).normal(size=(160, 4)).astype("float32")
-    return model, tf.data.Dataset.from_tensor_slices(images).batch(4)
+    rebuild = field_rebuild("min_snr_diffusion", fixed=fixed)  # seeds Keras with 0 first
+    return rebuild.model, rebuild.data
 
 
 def _first_nan_step(model, dataset) -> int | None:
@@ -110,9 +66,9 @@ def test_timesteps_drawn_in_train_step_are_replayed_per_batch_as_fit_drew_them()
     assert fit_step is not None and fit_step > 0
     assert d.batch == fit_step, (d.batch, fit_step)
     assert (d.op, d.cause) == ("RealDiv", "division_by_zero"), str(d)
-    assert d.source == f"{HERE}:{line_of('min-snr')}"
+    assert d.source == f"{FIELD}:{line_of('min-snr', FIELD)}"
     assert "denominators of RealDiv are exactly 0" in d.inputs_summary, d.inputs_summary
-    assert d.remedy == (f"at test_doctor_field_random.py:{line_of('min-snr')}: x / y -> tf.math.divide_no_nan(x, y) "
+    assert d.remedy == (f"at field.py:{line_of('min-snr', FIELD)}: x / y -> tf.math.divide_no_nan(x, y) "
                         "(0 where y == 0, and a zero gradient there)"), d.remedy
     assert d.verified.startswith("verified: the step is finite with divide_no_nan"), d.verified
     assert _first_nan_step(*_diffusion(fixed=True)) is None
