@@ -13,15 +13,17 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from companion.book import field
+from companion.book.field import field_rebuild
 from companion.diagnostics import diagnose
 
 HERE = __file__
-EPS = 1.19e-07  # float32's eps as the remedy prints it
+FIELD = field.__file__  # where the rebuilt speech-commands pipeline's lines are
 
 
-def line_of(marker: str) -> int:
-    """The line of this file that ends with ``# <marker>``."""
-    lines = open(HERE).read().splitlines()
+def line_of(marker: str, path: str = HERE) -> int:
+    """The line of ``path`` (by default this file) that ends with ``# <marker>``."""
+    lines = open(path).read().splitlines()
     return next(i for i, line in enumerate(lines, start=1) if line.rstrip().endswith(f"# {marker}"))
 
 
@@ -35,34 +37,9 @@ def _fit_is_finite(model, dataset) -> bool:
 # --------------------------------------------------------------------------------------
 
 
-def decode(wav, label):
-    return tf.cast(wav, tf.float32) / 32768.0, label
-
-
-def log_spectrum(wav, label):
-    frames = tf.signal.frame(wav, 16, 16)
-    power = tf.reduce_mean(tf.square(frames), axis=-1)
-    return tf.math.log(power), label  # log-power
-
-
-def log_spectrum_fixed(wav, label):
-    frames = tf.signal.frame(wav, 16, 16)
-    power = tf.reduce_mean(tf.square(frames), axis=-1)
-    return tf.math.log(tf.maximum(power, EPS)), label  # the remedy, as printed
-
-
-def _speech_commands(spectrum):
-    keras.utils.set_random_seed(0)
-    rng = np.random.default_rng(0)
-    clips = (rng.normal(size=(48, 128)) * 3000).astype("int16")
-    clips[13, :40] = 0  # a recording that starts with an empty stream
-    labels = rng.integers(0, 2, size=(48, 1)).astype("float32")
-    dataset = (tf.data.Dataset.from_tensor_slices((clips, labels)).map(decode)
-               .map(spectrum, num_parallel_calls=2).batch(8).prefetch(1))
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, activation="relu"),
-                              keras.layers.Dense(1, activation="sigmoid")], name="kws")
-    model.compile(optimizer="adam", loss="binary_crossentropy")
-    return model, dataset
+def _speech_commands(fixed=False):
+    rebuild = field_rebuild("speech_commands", fixed=fixed)  # seeds Keras with 0 first
+    return rebuild.model, rebuild.data
 
 
 def test_the_log_of_a_silent_clip_in_a_map_is_named_at_its_line():
@@ -72,17 +49,17 @@ def test_the_log_of_a_silent_clip_in_a_map_is_named_at_its_line():
     zero entries" (a recording that starts with an empty stream): the log of a frame's
     power of 0 is ``-inf``, made in the pipeline's second map.
     """
-    model, dataset = _speech_commands(log_spectrum)
+    model, dataset = _speech_commands()
     d = diagnose(model, dataset)
     assert (d.phase, d.op, d.cause, d.batch) == ("input", "Log", "nonfinite_input", 1), str(d)
-    assert d.source == f"{HERE}:{line_of('log-power')}" and "tf.math.log(power)" in d.code
+    assert d.source == f"{FIELD}:{line_of('log-power', FIELD)}" and "tf.math.log(power)" in d.code
     assert "made non-finite by Log in the input pipeline's map 2 of 2, log_spectrum" in d.inputs_summary
     assert "are exactly 0" in d.inputs_summary, d.inputs_summary
-    assert d.remedy == (f"at test_doctor_field_input.py:{line_of('log-power')}: tf.math.log(x) -> "
+    assert d.remedy == (f"at field.py:{line_of('log-power', FIELD)}: tf.math.log(x) -> "
                         "tf.math.log(tf.maximum(x, 1.19e-07))"), d.remedy
     assert d.verified.startswith("verified: the map function's values are finite with log's input clamped"), d.verified
     assert "the failing step is finite without row 5" in d.verified
-    model, dataset = _speech_commands(log_spectrum_fixed)
+    model, dataset = _speech_commands(fixed=True)
     assert _fit_is_finite(model, dataset)
 
 
