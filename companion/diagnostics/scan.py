@@ -38,6 +38,7 @@ __all__ = [
     "random_states",
     "run_scan_step",
     "scan",
+    "scanned_batches",
 ]
 
 
@@ -82,6 +83,23 @@ def ensure_built(model, x) -> None:
         except Exception:  # a model without call() (keras.io's VAE, GAN): its train_step builds it
             if not uses_own_step(model, None):
                 raise
+
+
+def scanned_batches(model, data, y, sample_weight, batch_size, max_batches, skip):
+    """The batches a scan looks at, as ``(index, (x, y_true, weights))``, the model built.
+
+    Batches ``skip`` to ``skip + max_batches - 1`` of ``fit``'s order (``max_batches``
+    None: to the end); the model is built on the first one's ``x`` (:func:`ensure_built`).
+    Used by :func:`scan` and by the update's scan (``find_update`` in
+    ``companion.diagnostics.update``).
+    """
+    for index, batch in enumerate(batches(data, y, sample_weight, batch_size)):
+        if max_batches is not None and index >= skip + max_batches:
+            return
+        if index < skip:
+            continue
+        ensure_built(model, batch[0])
+        yield index, batch
 
 
 def before_step(model, own: bool) -> list:
@@ -145,13 +163,8 @@ def scan(model, data, loss_fn, y, sample_weight, batch_size, max_batches, skip, 
     """
     step = None
     own = loss_fn is None
-    for index, batch in enumerate(batches(data, y, sample_weight, batch_size)):
-        if max_batches is not None and index >= skip + max_batches:
-            break
-        if index < skip:
-            continue
+    for index, batch in scanned_batches(model, data, y, sample_weight, batch_size, max_batches, skip):
         x, y_true, weights = batch
-        ensure_built(model, x)
         if step is None:
             step = OwnStepScan(model, jit) if own else compiled_step(model, loss_fn, jit)
         bad_data = bool(nonfinite_data(batch))

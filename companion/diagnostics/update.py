@@ -33,11 +33,10 @@ import tensorflow as tf
 
 from companion import _internal
 from companion.diagnostics.causes import CAUSES
-from companion.diagnostics.data import batches
 from companion.diagnostics.capsule_file import variables_state
 from companion.diagnostics.diagnosis import Diagnosis, keep_state
 from companion.diagnostics.gradients import _variable_path
-from companion.diagnostics.scan import ensure_built, model_state, random_states
+from companion.diagnostics.scan import model_state, random_states, scanned_batches
 from companion.diagnostics.sources import is_library_file, source_text
 from companion.diagnostics.state import restore, snapshot
 from companion.diagnostics.step import optimizers_of, pack, step_variables
@@ -599,13 +598,8 @@ def find_update(model, data, loss_fn, y, sample_weight, batch_size, max_batches,
     if loss_fn is None or optimizer is None:
         return None
     check = None
-    for index, batch in enumerate(batches(data, y, sample_weight, batch_size)):
-        if max_batches is not None and index >= skip + max_batches:
-            break
-        if index < skip:
-            continue
+    for index, batch in scanned_batches(model, data, y, sample_weight, batch_size, max_batches, skip):
         x, y_true, weights = batch
-        ensure_built(model, x)
         if check is None:
             try:
                 check = _compiled_check(model, loss_fn, optimizer) or False
