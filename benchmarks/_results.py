@@ -9,17 +9,26 @@ Ratios from different CPUs differ, so results of several CPUs are kept side by s
 The results the book shows ship with the package, in ``companion/book/benchmark_results/``
 (read by :func:`companion.book.benchmark_results.load_results`): ``--json auto`` and a bare
 file name write there; a path with a folder writes where it says.
+
+It also holds what the benchmarks share in measuring and judging: `run_child` (one
+measurement in a fresh process), `timed`, `rounds` and `ratio` (runs in this process, in
+rounds that cycle through their orders), `quartiles` (of per-round ratios) and `verdict` (a target met, missed
+or not resolved by the spread of the rounds).
 """
 
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import os
-import platform
 import pathlib
+import platform
 import re
+import statistics
+import subprocess
 import sys
+import time
 
 from companion.book.benchmark_results import short_cpu_name
 
@@ -84,6 +93,106 @@ def stack() -> dict:
         "tensorflow": tf.__version__,
         "keras": keras.__version__,
         "numpy": numpy.__version__,
+    }
+
+
+def run_child(script: str, *args: str, what: str, env: dict | None = None,
+              incomplete: str | None = None) -> dict:
+    """Run ``python script --child *args`` in a fresh process; return the last JSON line it printed.
+
+    A fresh process per measurement starts with no traced functions, no compiled kernels
+    and an empty allocator, so that no run inherits another's state (and a measurement of
+    memory sees only its own). The benchmark's ``--child`` mode does one measurement and
+    prints it as one JSON object on a line of its own; other lines are passed over.
+
+    Args:
+        script: the benchmark's file (its ``__file__``).
+        *args: the arguments after ``--child``, as strings.
+        what: the run, as the error messages name it ("mlp-8m, fit, 5 epochs").
+        env: environment variables to set for the child, on top of this process's and
+            ``TF_CPP_MIN_LOG_LEVEL=2``.
+        incomplete: if given, the result must say ``"completed": true``; otherwise this
+            (the rest of a sentence after "the run of WHAT") is the error's message.
+
+    Returns:
+        The child's last JSON line, parsed.
+
+    Raises:
+        RuntimeError: the child exited with an error or printed no JSON line (the message
+            ends with the last 4000 characters of its stderr), or it did not complete.
+    """
+    completed = subprocess.run(
+        [sys.executable, os.path.abspath(script), "--child", *args],
+        capture_output=True, text=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {})),
+    )
+    lines = [line for line in completed.stdout.splitlines() if line.startswith("{")]
+    if completed.returncode != 0 or not lines:
+        raise RuntimeError(f"the run of {what} failed (exit {completed.returncode}):\n{completed.stderr[-4000:]}")
+    result = json.loads(lines[-1])
+    if incomplete is not None and not result["completed"]:
+        raise RuntimeError(f"the run of {what} {incomplete}")
+    return result
+
+
+def quartiles(values) -> tuple[float, float, float]:
+    """First quartile, median and third quartile of ``values`` (per-round ratios).
+
+    By :func:`statistics.quantiles`' "inclusive" method (the values are the whole sample,
+    not a draw from a wider range); a single value (one round, ``--quick``) is all three.
+    """
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def verdict(q1: float, q3: float, target: float) -> str:
+    """"met" if even the third quartile is within ``target`` (lower is better), "missed" if
+    even the first quartile is above it, else "not resolved" (the rounds straddle it)."""
+    return "met" if q3 <= target else "missed" if q1 > target else "not resolved"
+
+
+def timed(fn) -> tuple[float, float]:
+    """Wall-clock seconds and process CPU seconds (all threads) of ``fn()``."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def rounds(runs: dict, repeats: int) -> tuple[dict, dict]:
+    """Wall and CPU seconds of each of ``runs`` ({key: function}), ``repeats`` rounds.
+
+    The rounds cycle through all orders of the runs, so that each run follows each other
+    run equally often (what one leaves behind, e.g. a warm cache, favours all alike).
+    Returns ({key: [wall seconds a round]}, {key: [CPU seconds a round]}).
+    """
+    wall = {key: [] for key in runs}
+    cpu = {key: [] for key in runs}
+    orders = list(itertools.permutations(runs))
+    for repeat in range(repeats):
+        for key in orders[repeat % len(orders)]:
+            time.sleep(0.02)
+            seconds, cpu_seconds = timed(runs[key])
+            wall[key].append(seconds)
+            cpu[key].append(cpu_seconds)
+    return wall, cpu
+
+
+def ratio(wall: dict, cpu: dict, top: str, bottom: str) -> dict:
+    """``top``'s time over ``bottom``'s, from `rounds`' seconds.
+
+    Ratios of runs of the same round cancel slow drifts of the machine's speed: ``wall``
+    is the median of the per-round wall-clock ratios and ``quartiles`` their first and
+    third quartiles (:func:`statistics.quantiles`' default method); ``fastest`` is the
+    ratio of the fastest runs, ``cpu`` the median of the per-round CPU-time ratios.
+    """
+    ratios = [a / b for a, b in zip(wall[top], wall[bottom])]
+    q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+    return {
+        "wall": statistics.median(ratios),
+        "quartiles": (q1, q3),
+        "fastest": min(wall[top]) / min(wall[bottom]),
+        "cpu": statistics.median(a / b for a, b in zip(cpu[top], cpu[bottom])),
     }
 
 

@@ -32,6 +32,8 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _results import quartiles, verdict  # noqa: E402
+
 from companion.training import train  # noqa: E402
 
 MODELS = {
@@ -73,13 +75,6 @@ def run(variant: str, spec, x, y, epochs: int) -> tuple[float, float]:
                       jit_compile=True if variant == "fit_xla" else "auto")
         model.fit(x, y, batch_size=BATCH, epochs=epochs, verbose=0)
     return time.perf_counter() - wall, time.process_time() - cpu
-
-
-def quartiles(values):
-    if len(values) < 2:
-        return values[0], values[0], values[0]
-    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return q1, q2, q3
 
 
 class Split:
@@ -181,9 +176,8 @@ def main(argv=None) -> int:
                 q1, median, q3 = quartiles(ratios)
                 cpu_median = statistics.median(cpu_ratios)
                 full = f"cold start, {name}, {epochs} epoch{'s' if epochs > 1 else ''}: {label}"
-                verdict = "met" if q3 <= target else "missed" if q1 > target else "not resolved"
                 print(f"  {full:<52} ratio {median:.2f} (quartiles {q1:.2f}-{q3:.2f}), CPU {cpu_median:.2f}, "
-                      f"target {target}: {verdict}", flush=True)
+                      f"target {target}: {verdict(q1, q3, target)}", flush=True)
                 rows.append(dict(label=full, ratio=round(median, 4), q1=round(q1, 4), q3=round(q3, 4),
                                  target=target, cpu_ratio=round(cpu_median, 4), rounds=rounds))
             if epochs == 1:

@@ -30,13 +30,11 @@ checks that the benchmark runs: its ratios are not the full run's.
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import statistics
 import sys
-import time
 
-from _results import write_results
+from _results import ratio, rounds, write_results
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -82,38 +80,6 @@ def make_data(poisoned: bool) -> tf.data.Dataset:
     if poisoned:
         x[BAD_BATCH * BATCH + 3, 0] = 0.0  # one feature of one row
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).cache()
-
-
-def timed(fn) -> tuple[float, float]:
-    """Wall-clock seconds and process CPU seconds of ``fn()``."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    fn()
-    return time.perf_counter() - wall, time.process_time() - cpu
-
-
-def rounds(runs: dict, repeats: int) -> tuple[dict, dict]:
-    """Wall and CPU seconds of each run, in rounds that cycle through all orders."""
-    wall = {key: [] for key in runs}
-    cpu = {key: [] for key in runs}
-    orders = list(itertools.permutations(runs))
-    for repeat in range(repeats):
-        for key in orders[repeat % len(orders)]:
-            time.sleep(0.02)
-            seconds, cpu_seconds = timed(runs[key])
-            wall[key].append(seconds)
-            cpu[key].append(cpu_seconds)
-    return wall, cpu
-
-
-def ratio(wall, cpu, top: str, bottom: str) -> dict:
-    ratios = [a / b for a, b in zip(wall[top], wall[bottom])]
-    q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
-    return {
-        "wall": statistics.median(ratios),
-        "quartiles": (q1, q3),
-        "fastest": min(wall[top]) / min(wall[bottom]),
-        "cpu": statistics.median(a / b for a, b in zip(cpu[top], cpu[bottom])),
-    }
 
 
 def time_to_diagnosis(repeats: int) -> dict:

@@ -46,7 +46,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from scale import BATCH, build, make_data, quartiles, verdict  # noqa: E402
+from _results import quartiles, verdict  # noqa: E402
+from _results import run_child as run_child_process  # noqa: E402
+from scale import BATCH, build, make_data  # noqa: E402
 
 EPOCHS = 6  # epoch 0 compiles; the steady time is the median of epochs 1 to 5
 
@@ -115,22 +117,11 @@ def child(name: str, variant: str, epochs: int, batches: int) -> dict:
 
 
 def run_child(name: str, variant: str, epochs: int, batches: int) -> dict:
-    import subprocess
-
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    completed = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--child", name, variant, str(epochs), str(batches)],
-        capture_output=True, text=True, env=env,
+    return run_child_process(
+        __file__, name, variant, str(epochs), str(batches), what=f"{name}, {variant}, {epochs} epochs",
+        incomplete="skipped or rolled back a step, or did not end all its epochs with a finite loss: "
+        "it is not the clean run measured here",
     )
-    lines = [line for line in completed.stdout.splitlines() if line.startswith("{")]
-    if completed.returncode != 0 or not lines:
-        raise RuntimeError(f"the run of {name}, {variant}, {epochs} epochs failed "
-                           f"(exit {completed.returncode}):\n{completed.stderr[-4000:]}")
-    result = json.loads(lines[-1])
-    if not result["completed"]:
-        raise RuntimeError(f"the run of {name}, {variant}, {epochs} epochs skipped or rolled back a step, or did "
-                           f"not end all its epochs with a finite loss: it is not the clean run measured here")
-    return result
 
 
 def measure(name: str, batches: int, rounds: int) -> dict:

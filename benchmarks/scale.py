@@ -41,11 +41,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _results import quartiles, verdict  # noqa: E402
+from _results import run_child as run_child_process  # noqa: E402
 
 BATCH = 64
 EPOCHS = (1, 5)  # the two lengths whose difference gives the steady time per epoch
@@ -181,31 +184,10 @@ def child(name: str, variant: str, epochs: int, batches: int) -> dict:
 
 
 def run_child(name: str, variant: str, epochs: int, batches: int) -> dict:
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    completed = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--child", name, variant, str(epochs), str(batches)],
-        capture_output=True, text=True, env=env,
+    return run_child_process(
+        __file__, name, variant, str(epochs), str(batches), what=f"{name}, {variant}, {epochs} epochs",
+        incomplete="did not end all its epochs with a finite loss: its time is not a steady epoch's",
     )
-    lines = [line for line in completed.stdout.splitlines() if line.startswith("{")]
-    if completed.returncode != 0 or not lines:
-        raise RuntimeError(f"the run of {name}, {variant}, {epochs} epochs failed "
-                           f"(exit {completed.returncode}):\n{completed.stderr[-4000:]}")
-    result = json.loads(lines[-1])
-    if not result["completed"]:
-        raise RuntimeError(f"the run of {name}, {variant}, {epochs} epochs did not end all its epochs with a "
-                           f"finite loss: its time is not a steady epoch's")
-    return result
-
-
-def quartiles(values):
-    if len(values) < 2:
-        return values[0], values[0], values[0]
-    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return q1, q2, q3
-
-
-def verdict(q1: float, q3: float, target: float) -> str:
-    return "met" if q3 <= target else "missed" if q1 > target else "not resolved"
 
 
 def measure(name: str, batches: int, rounds: int) -> dict:

@@ -30,14 +30,12 @@ runs: its ratios are not the full run's.)
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import statistics
 import sys
 import tempfile
-import time
 
-from _results import write_results
+from _results import ratio, rounds, write_results
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -62,13 +60,6 @@ def make_model(features: int, width: int, depth: int, seed: int = 0) -> keras.Mo
     layers += [keras.layers.Dense(width, activation="relu") for _ in range(depth)]
     layers.append(keras.layers.Dense(1))
     return keras.Sequential(layers)
-
-
-def timed(fn) -> tuple[float, float]:
-    """Wall-clock seconds and process CPU seconds (all threads) of ``fn()``."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    fn()
-    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 PAIRS = {
@@ -123,16 +114,8 @@ def compare(
     for run in runs.values():  # compile, and let train() settle its steps per host call
         for _ in range(warmups):
             run()
-    wall: dict[str, list[float]] = {key: [] for key in runs}
-    cpu: dict[str, list[float]] = {key: [] for key in runs}
-    # Cycle through all orders, so that each run follows each other run equally often.
-    orders = list(itertools.permutations(runs))
-    for repeat in range(repeats):
-        for key in orders[repeat % len(orders)]:
-            time.sleep(0.02)
-            seconds, cpu_seconds = timed(runs[key])
-            wall[key].append(seconds)
-            cpu[key].append(cpu_seconds)
+    # Rounds through all orders, so that each run follows each other run equally often.
+    wall, cpu = rounds(runs, repeats)
 
     steps = int(data.cardinality()) * epochs
     print(f"\n{name}: {steps} steps per run ({epochs} epoch), {repeats} rounds")
@@ -143,17 +126,8 @@ def compare(
             f"  {key:<16} {median:11.3f}s {1e3 * median / steps:8.3f} {min(wall[key]):7.3f}s"
             f" {statistics.median(cpu[key]):10.3f}s"
         )
-    results = {}
-    for label, (top, bottom) in PAIRS.items():
-        # Ratios of runs of the same round cancel slow drifts of the machine's speed.
-        ratios = [a / b for a, b in zip(wall[top], wall[bottom])]
-        q1, _, q3 = statistics.quantiles(ratios, n=4)
-        results[label] = {
-            "wall": statistics.median(ratios),
-            "quartiles": (q1, q3),
-            "fastest": min(wall[top]) / min(wall[bottom]),
-            "cpu": statistics.median(a / b for a, b in zip(cpu[top], cpu[bottom])),
-        }
+    # Ratios of runs of the same round cancel slow drifts of the machine's speed.
+    results = {label: ratio(wall, cpu, top, bottom) for label, (top, bottom) in PAIRS.items()}
     return results
 
 

@@ -31,11 +31,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from _results import quartiles, verdict  # noqa: E402
+from _results import run_child as run_child_process  # noqa: E402
 
 VARIANTS = ("plain", "tested", "conditional", "one at a time")
 TARGET = 0.25
@@ -96,26 +98,9 @@ def child(variant: str, width: int, batch: int) -> dict:
 
 
 def run_child(variant: str, width: int, batch: int) -> dict:
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_CPU_ALLOCATOR_USE_BFC="true")
-    completed = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--child", variant, str(width), str(batch)],
-        capture_output=True, text=True, env=env,
-    )
-    lines = [line for line in completed.stdout.splitlines() if line.startswith("{")]
-    if completed.returncode != 0 or not lines:
-        raise RuntimeError(f"the run of {variant} failed (exit {completed.returncode}):\n{completed.stderr[-4000:]}")
-    return json.loads(lines[-1])
-
-
-def quartiles(values):
-    if len(values) < 2:
-        return values[0], values[0], values[0]
-    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return q1, q2, q3
-
-
-def verdict(q1: float, q3: float, target: float) -> str:
-    return "met" if q3 <= target else "missed" if q1 > target else "not resolved"
+    # The BFC allocator on the CPU keeps count of its peak (see the docstring).
+    return run_child_process(__file__, variant, str(width), str(batch), what=variant,
+                             env={"TF_CPU_ALLOCATOR_USE_BFC": "true"})
 
 
 def main(argv=None) -> int:
