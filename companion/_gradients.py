@@ -104,10 +104,13 @@ def nonfinite_counts(gradients: Sequence[Any], flatten: bool = False) -> tuple[t
 #: Variables with fewer entries are updated as the optimizer schedules them: their
 #: temporaries are small, and chaining them would only add latency.
 CHAIN_FROM = 2**16
+#: The same on a CPU alone (8 MiB of float32): its memory is seldom the limit, and a
+#: model of small variables loses the overlap of their short updates.
+CHAIN_FROM_ON_CPU = 2**21
 
 
 @contextlib.contextmanager
-def one_update_at_a_time(optimizer, smallest: int = CHAIN_FROM, on_cpu: bool = False):
+def one_update_at_a_time(optimizer, smallest: int | None = None, on_cpu: bool = False):
     """While traced inside, the large variables' updates of ``optimizer`` run one after another.
 
     An update that waits for a test of every gradient (a conditional on their norm, as
@@ -121,21 +124,26 @@ def one_update_at_a_time(optimizer, smallest: int = CHAIN_FROM, on_cpu: bool = F
     variable's temporaries alive at a time. Nothing is computed differently: only the
     order is fixed.
 
-    Only where an accelerator is (a GPU or a TPU, whose kernels run in stream order anyway
-    and whose memory is the limit), unless ``on_cpu``: on a CPU alone the chained updates
-    took up to 1.6 times the steady wall time of the 28 M MLP's training in some runs
-    (their CPU time about the same), a price the CPU's larger memory does not call for.
+    Which variables are large: ``smallest`` entries or more; by default
+    :data:`CHAIN_FROM` where a GPU or a TPU is (whose kernels run in stream order anyway
+    and whose memory is the limit) or where ``on_cpu`` asks to chain as there, and
+    :data:`CHAIN_FROM_ON_CPU` on a CPU alone. There, chaining every variable from
+    :data:`CHAIN_FROM` up made the steady time of a compute-bound MLP of 0.4 M weights
+    (256-512-512-1) 1.91 times ``fit``'s in one run of ``benchmarks/scale.py``, its short
+    updates losing their overlap, for a few MiB.
 
     Works through the optimizer's public ``update_step``, ``assign``, ``assign_add`` and
     ``assign_sub`` (the hooks Keras asks an optimizer's update to use), replaced on the
     instance for the duration; an optimizer without them is left as it is, and so is one
     traced by several replicas at once (their threads share the instance).
     """
+    if smallest is None:
+        accelerated = on_cpu or any(tf.config.list_logical_devices(kind) for kind in ("GPU", "TPU"))
+        smallest = CHAIN_FROM if accelerated else CHAIN_FROM_ON_CPU
     names = ("update_step", "assign", "assign_add", "assign_sub")
     context = tf.distribute.get_replica_context()
     several = context is None or context.num_replicas_in_sync > 1
-    accelerated = on_cpu or any(tf.config.list_logical_devices(kind) for kind in ("GPU", "TPU"))
-    if (several or not accelerated or not tf.inside_function()
+    if (several or not tf.inside_function()
             or not all(callable(getattr(optimizer, n, None)) for n in names)):
         yield
         return

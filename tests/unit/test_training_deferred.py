@@ -205,25 +205,34 @@ def _writes(graph, variable) -> list:
             if op.type.startswith("Assign") and any(t is handle for t in op.inputs)]
 
 
-def test_on_a_cpu_alone_the_updates_are_not_chained():
-    """Chained updates cost a CPU wall time (their ops lose their overlap) and its memory is
-    seldom the limit: only an accelerator's updates are chained, unless asked."""
-    from companion._gradients import one_update_at_a_time
+def test_on_a_cpu_alone_only_the_largest_variables_updates_are_chained():
+    """Chained updates of small variables cost a CPU wall time (their short updates lose
+    their overlap) for a few MiB: on a CPU alone only variables of CHAIN_FROM_ON_CPU
+    entries or more are chained (CHAIN_FROM where an accelerator is, or if asked)."""
+    from companion._gradients import CHAIN_FROM, CHAIN_FROM_ON_CPU, one_update_at_a_time
 
     if tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("TPU"):
         pytest.skip("an accelerator is present")
-    optimizer = keras.optimizers.Adam()
-    seen = {}
+    assert CHAIN_FROM < 300 * 300 < CHAIN_FROM_ON_CPU <= 2048 * 1024
 
-    @tf.function
-    def traced():
-        for on_cpu in (False, True):
+    def chained(shape, on_cpu):
+        variables = [tf.Variable(tf.ones(shape)) for _ in range(2)]
+        optimizer = keras.optimizers.Adam()
+        optimizer.build(variables)
+        grads = [tf.ones(shape) for _ in variables]
+
+        @tf.function
+        def step():
             with one_update_at_a_time(optimizer, on_cpu=on_cpu):
-                seen[on_cpu] = "update_step" in vars(optimizer)
-        return tf.constant(0)
+                optimizer.apply(grads, variables)
 
-    traced()
-    assert seen == {False: False, True: True}
+        graph = step.get_concrete_function().graph
+        earlier = {op.name for op in _writes(graph, variables[0])}
+        return all(earlier <= _ancestors(op) for op in _writes(graph, variables[1]))
+
+    assert not chained((300, 300), on_cpu=False)
+    assert chained((300, 300), on_cpu=True)
+    assert chained((2048, 1024), on_cpu=False)
 
 
 @pytest.mark.parametrize("name", ["Adam", "SGD-momentum", "Lion"])
