@@ -12,8 +12,11 @@ The package, one idea per module:
   :class:`NonFiniteError`, :class:`WorkerLostError`.
 * ``inputs``: the checks of :func:`train`'s own arguments.
 * ``step``: the guarded ``train_step`` installed in ``fit`` (``GuardedStep``);
-  ``values``: its raw reads and finiteness tests; ``buffer``: its records on the device,
-  drained by the host; ``spikes``: ``skip_loss_spikes``' running statistics and test.
+  ``interception``: the optimizer calls it intercepts (``scale_loss``, ``apply``) and the
+  update it runs for them; ``holdings``: the optimizers and the random state a model
+  holds; ``values``: its raw reads and finiteness tests; ``buffer``: its records on the
+  device, drained by the host; ``spikes``: ``skip_loss_spikes``' running statistics and
+  test.
 * ``deferred``: the model optimizer's update run at the step's end, under one predicate,
   with no copy of the weights or the optimizer's state; ``bounds``: the proof, from
   running bounds, that an update of Keras' SGD, Adam, AdamW or Lion is finite.
@@ -26,7 +29,8 @@ The package, one idea per module:
 * ``recovery``: ``on_nonfinite="rollback"``: the snapshot, the rollback with a smaller
   learning rate (:class:`ScaledSchedule` for a schedule), the causes no rate cures.
 * ``cluster``: the workers of a multi-worker run.
-* ``loop``: :func:`train` itself (compile, install the guard, ``fit``, clean up).
+* ``loop``: :func:`train` itself (install the guard, ``fit``, clean up);
+  ``preparation``: what it does before ``fit`` (check, compile, build, resume).
 
 The chapter *A training loop that survives NaN* derives the design and measures its cost.
 """

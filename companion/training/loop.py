@@ -2,7 +2,8 @@
 :mod:`companion.training.step` installed (:mod:`companion.training.patches` lists what that
 changes on the model and puts back), the callbacks of :mod:`companion.training.callbacks`,
 epoch-end checkpoints, and the clean exit after a lost worker (chapter *A training loop
-that survives NaN*).
+that survives NaN*). What it does before ``fit`` runs (check, compile, build, resume) is
+in :mod:`companion.training.preparation`.
 """
 
 from __future__ import annotations
@@ -18,20 +19,16 @@ import tensorflow as tf
 
 from companion import _internal
 from companion._checks import check_int, check_positive_number
-from companion.losses import check_keras_loss_shapes
-from companion.optimizers import SkipNonFinite
-from companion.training.checkpoints import TrainingCheckpoint
 from companion.training.cluster import PEER_FAILURES, Cluster, arm_exit_after_worker_loss
 from companion.training.callbacks import CheckpointCallback, GuardCallback, asks_for_batch_hooks
 from companion.training.patches import ModelPatches, restore_leftover
 from companion.training.records import DoctorView
 from companion.training.recovery import NO_LIMIT, Recovery, check_learning_rates, set_schedule_scale
 from companion.training.deferred import Undeferrable
-from companion.training.step import GuardedStep, model_cache
 from companion.training.inputs import (
-    ON_NONFINITE, as_dataset, built_by_its_first_step, check_callbacks, check_finite_weights, check_targets,
-    replay_batches,
+    ON_NONFINITE, as_dataset, check_callbacks, check_finite_weights, check_targets, replay_batches,
 )
+from companion.training.preparation import build_model, check_model, check_scope, compile_model, guarded_step, resume
 from companion.training.results import TrainingHistory, WorkerLostError
 
 #: The most steps one host call runs when ``train`` chooses ``steps_per_execution``.
@@ -225,7 +222,7 @@ def train(
         >>> history.skipped, sorted(history.history), history.epoch
         ([2, 6], ['loss'], [0, 1])
     """
-    _check_model(model)
+    check_model(model)
     if on_nonfinite not in ON_NONFINITE:
         raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
     if on_worker_loss not in ("exit", "raise"):
@@ -253,7 +250,7 @@ def train(
     check_targets(model, x, y, loss)
     strategy = strategy or model.distribute_strategy
     if strategy.num_replicas_in_sync > 1:
-        _check_scope(model, strategy)
+        check_scope(model, strategy)
     if isinstance(x, tf.data.Dataset) and shuffle is True:
         shuffle = False  # fit ignores shuffle for a dataset (and warns that it does)
     fit_arguments = dict(
@@ -264,7 +261,7 @@ def train(
     )
     with strategy.scope():
         if loss is not None or optimizer is not None:
-            _compile(
+            compile_model(
                 model, x, y, loss=loss, optimizer=optimizer, metrics=metrics, loss_weights=loss_weights,
                 weighted_metrics=weighted_metrics, run_eagerly=run_eagerly, steps_per_execution=steps_per_execution,
                 jit_compile=jit_compile, auto_scale_loss=auto_scale_loss,
@@ -274,7 +271,7 @@ def train(
                 f"model {model.name!r} is not compiled: pass loss= and optimizer= to train (as to compile), "
                 "or compile the model first"
             )
-        _build(model, x)
+        build_model(model, x)
         check_finite_weights(model)  # no step can cure a weight that starts NaN or Inf
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None and model.built and not optimizer.built and model.trainable_variables:
@@ -283,7 +280,7 @@ def train(
     if rollback:
         check_learning_rates(model)
     cluster = Cluster.of(strategy)
-    history, restored_epochs, checkpoint = _resume(model, cluster, checkpoint_dir)
+    history, restored_epochs, checkpoint = resume(model, cluster, checkpoint_dir)
     # A resumed run keeps its reduced rates: a float's variable comes back with the
     # checkpoint, a schedule is scaled again.
     rescaled = bool(history.rollbacks) and set_schedule_scale(model, history.rollbacks[-1].scale)
@@ -311,8 +308,8 @@ def train(
             x, batch_size, steps_per_epoch, validation_split, whole_epochs_only=not short_calls,
             epochs=int(epochs) - fit_arguments["initial_epoch"], variables=len(model.trainable_variables),
         ))
-    step = _guarded_step(model, strategy, guard=on_nonfinite != "ignore", clip=clip_global_norm,
-                         limit=NO_LIMIT if rollback else limit, spikes=skip_loss_spikes)
+    step = guarded_step(model, strategy, guard=on_nonfinite != "ignore", clip=clip_global_norm,
+                        limit=NO_LIMIT if rollback else limit, spikes=skip_loss_spikes)
     if rescaled:
         step.forget_functions(patches)  # traced with the schedule before it was scaled
     doctor = DoctorView(
@@ -375,99 +372,6 @@ def _fit(model, x, y, step, patches, callbacks, fit_arguments, history, cluster,
             raise
 
 
-def _check_model(model) -> None:
-    trainer = all(callable(getattr(model, name, None)) for name in ("fit", "compile", "train_step"))
-    if not (isinstance(model, keras.layers.Layer) and trainer):
-        kind = "a Keras layer that is not a model" if isinstance(model, keras.layers.Layer) else type(model).__name__
-        raise TypeError(f"model must be a Keras model (keras.Model, e.g. keras.Sequential([layer])), got {kind}")
-
-
-def _check_scope(model, strategy) -> None:
-    outside = [v.path for v in model.variables if not strategy.extended.variable_created_in_scope(v.value)]
-    if outside:
-        raise ValueError(
-            f"the model's variables (e.g. {outside[0]!r}) were not created under the strategy's scope; "
-            "create the model and the optimizer inside `with strategy.scope():`"
-        )
-
-
-def _compile_identity(value):
-    """What identifies a compile argument: strings and numbers by value, objects by identity."""
-    if isinstance(value, dict):
-        return tuple(sorted((str(k), _compile_identity(v)) for k, v in value.items()))
-    if isinstance(value, (list, tuple)):
-        return tuple(_compile_identity(v) for v in value)
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return value
-    return ("object", id(value))
-
-
-def _compile(model, x, y, *, loss, optimizer, **options) -> None:
-    """``model.compile`` with these arguments, unless the model is compiled so already."""
-    if isinstance(optimizer, SkipNonFinite):
-        optimizer = optimizer.inner_optimizer  # train guards by itself
-    if optimizer is None:
-        optimizer = "rmsprop"  # compile's default
-    if options["steps_per_execution"] is None:
-        options["steps_per_execution"] = 1
-    key = _compile_identity((loss, optimizer, sorted(options.items())))
-    cache = model_cache(model)
-    current = getattr(model, "optimizer", None)
-    same_optimizer = current is optimizer or getattr(current, "inner_optimizer", None) is optimizer
-    if cache.get("compiled") == key and same_optimizer and getattr(model, "compiled", False):
-        return
-    if isinstance(x, tf.data.Dataset) and loss is not None and not isinstance(loss, (dict, list, tuple)):
-        _check_target_shapes(model, loss, x.element_spec)
-    optimizer = _loss_scaled(model, optimizer, options["auto_scale_loss"])
-    model.compile(optimizer=optimizer, loss=loss, **options)
-    cache["compiled"] = key
-
-
-def _loss_scaled(model, optimizer, auto_scale_loss):
-    """The optimizer in a ``LossScaleOptimizer`` if some layer computes in float16.
-
-    ``compile`` wraps it only when the *model's* policy is ``mixed_float16`` (the global
-    policy); a model whose layers were given ``dtype="mixed_float16"`` one by one would
-    then train in float16 without loss scaling, and small gradients underflow.
-    """
-    if not auto_scale_loss or isinstance(optimizer, (str, keras.optimizers.LossScaleOptimizer)):
-        return optimizer
-    if getattr(getattr(model, "dtype_policy", None), "name", None) == "mixed_float16":
-        return optimizer  # compile wraps it
-    policies = {getattr(getattr(layer, "dtype_policy", None), "name", None) for layer in _internal.all_layers(model)}
-    if "mixed_float16" in policies and isinstance(optimizer, keras.optimizers.Optimizer):
-        return keras.optimizers.LossScaleOptimizer(optimizer)
-    return optimizer
-
-
-def _check_target_shapes(model, loss, spec) -> None:
-    """Keras' own losses: targets that would broadcast into a wrong comparison raise now."""
-    if not (isinstance(spec, tuple) and len(spec) >= 2 and isinstance(spec[1], tf.TensorSpec)):
-        return
-    if not model.built or not isinstance(spec[0], tf.TensorSpec):
-        return
-    try:
-        predictions = model.compute_output_spec(keras.KerasTensor(spec[0].shape, dtype=spec[0].dtype.name))
-    except Exception:  # noqa: BLE001 - a model that cannot say: nothing to check
-        return
-    if isinstance(predictions, keras.KerasTensor):
-        check_keras_loss_shapes(loss, spec[1], predictions)
-
-
-def _build(model, x) -> None:
-    """Build an unbuilt model from a dataset's element spec (fit would at its first step);
-    not a model whose own ``train_step`` builds what it uses at its first step, as in fit
-    (its ``call`` may take other inputs than the data: a GAN's generator, a denoiser)."""
-    if model.built or not isinstance(x, tf.data.Dataset) or built_by_its_first_step(model):
-        return
-    spec = x.element_spec
-    inputs = spec[0] if isinstance(spec, tuple) else spec
-    try:
-        model(tf.nest.map_structure(lambda s: keras.KerasTensor(s.shape, dtype=s.dtype.name), inputs))
-    except Exception:  # noqa: BLE001 - fit builds it at its first step instead
-        pass
-
-
 def _steps_per_execution(x, batch_size, steps_per_epoch, validation_split, whole_epochs_only=False,
                          epochs=1, variables=0) -> int:
     """Steps per host call when no one asked for per-step hooks: up to an epoch, when the
@@ -499,43 +403,3 @@ def _steps_per_execution(x, batch_size, steps_per_epoch, validation_split, whole
     if whole_epochs_only:
         return max(d for d in range(1, min(batches, UNROLLED_STEPS) + 1) if batches % d == 0)
     return max(1, min(batches, MAX_STEPS_PER_EXECUTION))
-
-
-def _guarded_step(model, strategy, *, guard, clip, limit, spikes=None) -> GuardedStep:
-    """The cached :class:`GuardedStep` for this set-up (a new one after ``compile``)."""
-    cache = model_cache(model)
-    key = (
-        "step", id(model.optimizer), id(strategy), guard, clip, limit, spikes, int(model.steps_per_execution),
-        tuple(id(v) for v in model.trainable_variables), tuple(id(v) for v in model.metrics_variables),
-        tuple(id(v) for v in model.non_trainable_variables),
-    )
-    step = cache.get(key)
-    if step is None or step.optimizer is not model.optimizer:
-        step = GuardedStep(
-            model, strategy, capacity=int(model.steps_per_execution), guard=guard, clip=clip, limit=limit,
-            spikes=spikes,
-        )
-        cache[key] = step
-    return step
-
-
-def _resume(model, cluster, checkpoint_dir) -> tuple[TrainingHistory, int, TrainingCheckpoint | None]:
-    """The history and the number of completed epochs: from the latest checkpoint, if any."""
-    history, start_epoch, checkpoint = TrainingHistory(), 0, None
-    if checkpoint_dir is not None:
-        checkpoint = TrainingCheckpoint(checkpoint_dir, model, model.optimizer, cluster)
-        restored = checkpoint.restore()
-        if restored is not None:
-            start_epoch, history = restored
-    if cluster is not None:
-        try:
-            restored_epochs = sorted({int(v) for v in cluster.gather(start_epoch)[:, 0]})
-        except PEER_FAILURES as error:
-            raise cluster.lost(error, start_epoch, history, checkpoint) from error
-        if len(restored_epochs) > 1:
-            raise ValueError(
-                f"the workers restored different checkpoints from {checkpoint_dir!r} (after epochs "
-                f"{restored_epochs}; {cluster.task} after epoch {start_epoch}): every worker must see the chief's "
-                "checkpoint_dir, e.g. on a shared file system"
-            )
-    return history, start_epoch, checkpoint
