@@ -72,6 +72,8 @@ QUICK_BATCHES = {"cnn-bn": 16}
 #: Times a measurement is made again when its 5-epoch run was not the longer (a slow spell
 #: of the shared machine during the 1-epoch run): its steady time would be 0 or negative.
 RETRIES = 2
+#: A full run refuses to start on a machine whose load average over the last minute is higher.
+MAX_LOAD = 1.0
 #: --quick runs beside other benchmarks and tests (tests/unit/test_benchmarks.py starts
 #: them all at once): more chances before it gives up.
 QUICK_RETRIES = 5
@@ -285,6 +287,8 @@ def main(argv=None) -> int:
     parser.add_argument("--models", help=f"comma-separated, of {', '.join(MODELS)} (default: all)")
     parser.add_argument("--batches", type=int, help="batches per epoch for every model (default: each model's own)")
     parser.add_argument("--json", metavar="PATH", help="also write the ratios as JSON ('auto': the default name)")
+    parser.add_argument("--allow-load", action="store_true",
+                        help=f"measure even if the load average is over {MAX_LOAD} (the results say so)")
     parser.add_argument("--child", nargs=4, metavar=("MODEL", "VARIANT", "EPOCHS", "BATCHES"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -297,6 +301,12 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"unknown models {unknown}; there are {list(MODELS)}")
     rounds = 1 if args.quick else args.rounds
+    load = os.getloadavg()[0]
+    if not args.quick and load > MAX_LOAD and not args.allow_load:
+        # Its ratios compare runs made minutes apart: another job's load lands on some of them.
+        print(f"the machine is busy (load average {load:.1f} over the last minute, more than {MAX_LOAD}): "
+              f"measure on a quiet machine, or pass --allow-load", file=sys.stderr)
+        return 2
     print(f"{rounds} round{'s' * (rounds > 1)}, every run a fresh process and a fresh model; batch {BATCH}, "
           f"steady time per epoch = (T({EPOCHS[1]} epochs) - T({EPOCHS[0]})) / {EPOCHS[1] - EPOCHS[0]}", flush=True)
     results, rows = {}, []
