@@ -153,19 +153,16 @@ def running_fit_locals(frame, names: tuple[str, ...]) -> dict[str, Any] | None:
 # under the default strategy), which Keras builds before ``on_train_begin`` (for
 # arrays with ``shuffle=True``, the rows are permuted there, per epoch, by
 # ``tf.random.shuffle``: nothing outside the pipeline knows the permutation).
-# The tap maps the dataset through a function that traces the caller's ops on each
-# batch (``companion.diagnostics.tapped``: no Python per batch), in the order the
-# pipeline yields them (the order ``fit`` trains on).
+# The tap maps the dataset through a ``tf.py_function`` that hands each batch, in the
+# order the pipeline yields it (the order ``fit`` trains on), to a Python function.
 # If gone: no tap (a warning says so), and the doctor diagnoses the rows of the
 # unshuffled arrays in fit's order, saying that fit shuffled them.
 
 
 @hook('test_keras_fit_shuffled_batches_can_be_tapped_in_the_order_fit_trains_on_them')
-def tap_fit_batches(frame, make_keep: Callable[[Any], Callable[[Any], list]]) -> Callable[[], None] | None:
-    """Make the running ``fit``'s pipeline keep each batch it trains on, in order.
+def tap_fit_batches(frame, record: Callable[[Any], None]) -> Callable[[], None] | None:
+    """Make the running ``fit`` hand each batch it trains on to ``record``, in order.
 
-    ``make_keep(element_spec)`` returns ``keep(batch)``, whose ops (the list it returns)
-    are traced into the pipeline's map function: they run on every batch, with no Python.
     Returns a function that removes the tap, or ``None`` if it cannot be installed.
     """
     found = running_fit_locals(frame, ("epoch_iterator",))
@@ -177,12 +174,19 @@ def tap_fit_batches(frame, make_keep: Callable[[Any], Callable[[Any], list]]) ->
         warn_once("epoch_iterator", "keras' fit has no epoch_iterator with a tf.data.Dataset: the NaN doctor "
                                     "cannot see the batches fit shuffled")
         return None
-    keep = make_keep(dataset.element_spec)
+
     as_tuple = isinstance(dataset.element_spec, tuple)  # map hands a tuple's items as arguments
 
     def tap(*element):
         structure = tuple(element) if as_tuple else element[0]
-        with tf.control_dependencies(keep(structure)):
+        flat = tf.nest.flatten(structure)
+
+        def hand_on(*values):
+            record(tf.nest.pack_sequence_as(structure, [v.numpy() for v in values]))
+            return 0
+
+        done = tf.py_function(hand_on, flat, tf.int32)
+        with tf.control_dependencies([done]):
             return tf.nest.map_structure(tf.identity, structure)
 
     with warnings.catch_warnings():  # "run_functions_eagerly does not apply to tf.data functions": known

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import threading
 import warnings
 from typing import Any, Callable
 
@@ -18,7 +19,6 @@ from companion.diagnostics.diagnosis import Diagnosis, replace
 from companion.diagnostics.doctor import diagnose
 from companion.diagnostics.remedies import LOW_PRECISION, MAX_STEPS, STEP_CAUSES, Steps, verify
 from companion.diagnostics.step import step_variables
-from companion.diagnostics.tapped import TappedBatches
 from companion.training.patches import ModelPatches, hold_until_fit_ends, restore_leftover
 from companion.training.records import APPLIED, LOSS
 from companion.training.step import GUARDED, GuardedStep, model_cache
@@ -50,11 +50,10 @@ class NaNDoctor(keras.callbacks.Callback):
     ``fit`` did. For that re-run the state at ``fit``'s start is kept: on its device for
     a state of up to 16 MiB (which is also kept at every epoch's start), else once, in a
     temporary file. When ``fit`` shuffles arrays or reads a ``tf.data`` pipeline, the
-    batches it trained on are kept too, by the pipeline (a few ops per batch, no Python),
-    up to a quarter of the weights' bytes (at least 4 MiB, at most 64 MiB); beyond that,
-    or beyond 500 steps (looked at every 8 steps), only the epoch's are kept and the
-    re-run starts at the epoch's start (if its state was kept), then only the failing
-    step's own batch (no re-run of ``fit``'s steps is then made).
+    batches it trained on are kept too, up to a quarter of the weights' bytes (at least
+    4 MiB, at most 64 MiB); beyond that, or beyond 500 steps, only the epoch's are kept
+    and the re-run starts at the epoch's start (if its state was kept), then only the
+    failing step's own batch (no re-run of ``fit``'s steps is then made).
 
     The doctor never breaks the run it watches: any failure of its own is a
     ``RuntimeWarning``, its guard is removed and training goes on as plain ``fit``.
@@ -122,7 +121,10 @@ class NaNDoctor(keras.callbacks.Callback):
         self._done = False
         self._steps = 0
         self._shuffled = False  # the steps' batches are known from the tap only
-        self._tapped = TappedBatches()  # by step index (from fit's start): the batches fit trained on
+        self._tapped: dict[int, Any] = {}  # step index (from fit's start) -> the batch fit trained on
+        self._tapped_bytes = 0
+        self._lock = threading.Lock()
+        self._produced = 0
         self._untap = None
 
     def _warn(self, what: str, error: BaseException) -> None:
@@ -193,18 +195,21 @@ class NaNDoctor(keras.callbacks.Callback):
             return
         self._shuffled = True
 
-        def make_keep(spec):
-            self._tapped = TappedBatches(spec)
-            return self._tapped.keep
+        def record(batch) -> None:  # called from tf.data's thread
+            size = sum(int(np.asarray(v).nbytes) for v in tf.nest.flatten(batch))
+            with self._lock:
+                self._tapped[self._produced] = batch
+                self._tapped_bytes += size
+                self._produced += 1
 
-        self._untap = _internal.tap_fit_batches(frame, make_keep)
+        self._untap = _internal.tap_fit_batches(frame, record)
         if self._untap is None:
             self._shuffled = _is_arrays(x)  # a dataset is read again, in order (the best left)
 
     def on_train_end(self, logs=None) -> None:
         self._uninstall()
         untap, self._untap = self._untap, None
-        self._tapped = TappedBatches()
+        self._tapped = {}
         self._start = self._epoch_start = None
         if untap is not None:
             try:
@@ -226,7 +231,7 @@ class NaNDoctor(keras.callbacks.Callback):
         except Exception as error:  # pragma: no cover - the doctor never ends a run
             self._epoch_start = None
             self._warn("could not keep the state at the epoch's start", error)
-        if self._steps > MAX_STEPS or self._tapped.nbytes > self._max_kept_bytes():
+        if self._steps > MAX_STEPS or self._tapped_bytes > self._max_kept_bytes():
             # fit's batches from its start would be too many to keep (or to re-run): this epoch's only
             self._forget(self._steps)
 
@@ -238,7 +243,10 @@ class NaNDoctor(keras.callbacks.Callback):
 
     def _forget(self, before: int) -> None:
         """Drop the kept batches of the steps before ``before``."""
-        self._tapped.forget(before)
+        with self._lock:
+            for index in [i for i in list(self._tapped) if i < before]:
+                batch = self._tapped.pop(index)
+                self._tapped_bytes -= sum(int(np.asarray(v).nbytes) for v in tf.nest.flatten(batch))
 
     def on_train_batch_end(self, batch, logs=None) -> None:
         if self._done:
@@ -249,10 +257,8 @@ class NaNDoctor(keras.callbacks.Callback):
                 self._steps += 1
                 if self._epoch_steps:
                     self._epoch_steps[-1] += 1
-                # (Looked at every FORGET_EVERY steps: a read of the kept bytes is an op.)
-                if self._tapped.spec is not None and self._steps % FORGET_EVERY == 0 and (
-                        self._steps - self._epoch_first > MAX_STEPS
-                        or self._tapped.nbytes > self._max_kept_bytes()):
+                if self._tapped and (self._steps - self._epoch_first > MAX_STEPS
+                                     or self._tapped_bytes > self._max_kept_bytes()):
                     self._forget(self._steps - 1)  # too many to re-run from the epoch's start: the step's own only
                 if record[APPLIED] >= 0.5:
                     self._losses.append(float(record[LOSS]))
@@ -359,12 +365,10 @@ class NaNDoctor(keras.callbacks.Callback):
         variables = self._start.variables
         if self._shuffled:
             first, start = 0, self._start
-            if index + 1 > MAX_STEPS or not self._tapped.kept(0, index):  # only this epoch's are kept
+            if any(self._tapped.get(i) is None for i in range(index + 1)):  # only this epoch's are kept
                 first, start = self._epoch_first, self._epoch_start
-            if start is None or index + 1 - first > MAX_STEPS or not self._tapped.kept(first, index):
-                return None
             known = [self._tapped.get(i) for i in range(first, index + 1)]
-            if any(b is None for b in known):
+            if start is None or any(b is None for b in known):
                 return None
             origin = "the start of fit" if first == 0 else (
                 f"the start of epoch {self._epoch} (fit shuffled the rows; the doctor kept this epoch's batches)")
@@ -461,9 +465,6 @@ class _KeptState:
 
 #: The most bytes of fit's shuffled batches the doctor keeps (beyond: the epoch's, then the step's own only).
 MAX_KEPT_BYTES = 64 * 2**20
-#: Steps between two looks at the kept batches' count and bytes (either may be passed by
-#: as many batches before the older ones are dropped).
-FORGET_EVERY = 8
 
 
 def _is_arrays(x) -> bool:
