@@ -65,3 +65,13 @@ def built_book(tmp_path_factory) -> BuiltBook:
     if not (book.html / "index.html").exists():
         pytest.fail(f"the book did not build:\n{book.log}")
     return book
+
+
+@pytest.fixture
+def always_defer(monkeypatch):
+    """``train`` defers the update whatever the call's length: the tests of the deferred
+    update on small models (a short call on one takes the masked step, see
+    ``companion.training.deferred.DEFER_FROM``)."""
+    from companion.training import deferred
+
+    monkeypatch.setattr(deferred, "DEFER_FROM", 0)

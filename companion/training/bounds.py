@@ -24,7 +24,7 @@ quarter of the largest finite value of the narrowest floating dtype the update c
 in, a margin that covers the rounding of the few operations between. Where the bound
 fails (or the optimizer is not one of these), the step takes the tested path: it copies
 what the update writes, applies it, tests it and puts it back if it is not finite, and
-measures ``W`` and ``M`` exactly again.
+forgets ``W`` and ``M``, which the host measures exactly again after the host call.
 """
 
 from __future__ import annotations
@@ -100,7 +100,8 @@ class UpdateBound:
         return [v for v in self.optimizer.variables if tf.as_dtype(v.dtype).is_floating and tuple(v.shape) in shapes]
 
     def measure(self) -> None:
-        """``W`` and ``M`` measured exactly (eagerly, once per call of :func:`train`); a
+        """``W`` and ``M`` measured exactly (eagerly: once per call of :func:`train`, and after
+        a host call in which an update took the tested path); a
         negative second moment or anything non-finite leaves the proof off (``inf``)."""
         if not self.enabled or not self.optimizer.built:
             return
@@ -111,12 +112,14 @@ class UpdateBound:
         self.weights.assign(_largest(self.variables))
         self.slots.assign(_largest(self._slots(), nonnegative_names=("velocity",)))
 
-    def remeasure(self):
-        """Inside the step (the tested path): ``W`` and ``M`` measured again."""
+    def forget(self) -> None:
+        """Inside the step (the tested path): ``W`` and ``M`` unknown, until :meth:`measure`
+        runs on the host after the host call (a measure traced into the step would cost
+        every first call more than all the tested steps it would save)."""
         self.tested.assign_add(1)
         if self.enabled:
-            self._assign_measured()
-        return tf.constant(True)
+            self.weights.assign(UNKNOWN)
+            self.slots.assign(UNKNOWN)
 
     def prove(self, gradient_bound, learning_rate):
         """Whether the next update is finite, and the assignments that advance the bounds

@@ -15,7 +15,8 @@ SGD, Adam, AdamW and Lion it is proved finite from running bounds
 (:mod:`companion.training.bounds`); where the proof fails or the optimizer is another,
 the update takes the tested path: a copy of what it writes, the update, a test, and a
 put-back if it is not finite. That path costs what the masked step costs, and only on
-the steps that take it.
+the steps that take it; after it the bounds are unknown until the host measures them
+again, after the host call.
 
 Deferring is exact only if the step does not look at what the update wrote: it must not
 read the model's weights or the optimizer's state after calling ``apply``, nor write
@@ -26,12 +27,36 @@ a step that does any of these raises :class:`Undeferrable` while it is traced, a
 
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
 
 from companion import _internal
 from companion._gradients import one_update_at_a_time
-from companion.training.values import SELECT_LIMIT, all_finite, entries, read
+from companion.training.values import SELECT_LIMIT, entries, entries_finite, read
 
+
+
+#: A call of :func:`companion.training.train` defers the update when its steps times the
+#: model's trainable entries reach this (or the model is larger than :data:`MASK_UP_TO`);
+#: a shorter call on a small model takes the masked step. Measured on a 2-core CPU (the
+#: performance page's cold-start and scale runs): the deferred update's conditionals cost
+#: a first call about 0.15 s more to trace than the masked step, and the masked step's
+#: copy of the weights and the optimizer's state costs each step about 2 ns per trainable
+#: entry more (Adam, 0.4 M weights); they break even near 7.5e7 entry-steps.
+DEFER_FROM = 2**26
+
+#: From this many trainable entries (4 MiB of float32; the masked step's copy of the
+#: weights and Adam's moments 12 MiB) the update is always deferred: there the copy's
+#: memory decides, not a first call's time.
+MASK_UP_TO = 2**20
+
+
+def worth_deferring(variables, steps: int | None) -> bool:
+    """Whether a call of ``steps`` steps (``None``: not known) on a model with the trainable
+    ``variables`` defers its update (see :data:`DEFER_FROM`); a model not built yet (no
+    variable known) does."""
+    weights = sum(int(np.prod(v.shape)) for v in variables)
+    return steps is None or not variables or weights > MASK_UP_TO or weights * steps >= DEFER_FROM
 
 
 class Undeferrable(Exception):
@@ -95,22 +120,28 @@ class DeferredUpdate:
         with one_update_at_a_time(self.step.inner):
             self.step.run_apply(self.apply, self.grads, self.variables)
 
-    def run(self, finite, direct, on_skip=None) -> tf.Tensor:
+    def run(self, finite, direct, on_skip=None, on_tested=None) -> tf.Tensor:
         """The update, if ``finite``: proved finite, or tested on a copy and put back if it
-        is not. Returns whether it was applied; ``on_skip()`` is traced into the branches
-        that apply nothing (the NaN/Inf counts of a large model).
+        is not. Returns whether it was applied; ``on_skip()`` is traced into the branch
+        that applies nothing, ``on_tested()`` into the tested path (the NaN/Inf counts of a
+        large model: there the gradients were finite). :attr:`tested` is then whether the
+        update took the tested path.
 
         The optimizer's update is traced once (its trace is the costly part of a first
-        call): a copy of what it writes is made before it only where the proof failed
-        (elsewhere that conditional returns empty tensors), and the test and put-back
-        after it run only there too.
+        call), and the tested path around it is kept small, for it is traced into every
+        first call and taken almost never: a copy of what the update writes is made before
+        it only where the proof failed (elsewhere that conditional returns empty tensors);
+        after it, there only, one test and one select per variable put back a non-finite
+        update, and the bounds are set to unknown. The host measures them again after the
+        host call (:meth:`GuardedStep.drain`); until then the steps take the tested path.
         """
         bound = self.step.bound
         proved, advance = bound.prove(self.gradient_bound, self.step.inner.learning_rate)
-        tested = tf.logical_and(finite, tf.logical_not(proved))
+        tested = tf.raw_ops.LogicalAnd(x=finite, y=tf.raw_ops.LogicalNot(x=proved))
+        self.tested = tested
 
         def copy():
-            return [tf.identity(read(v)) for v in direct]
+            return [tf.raw_ops.Identity(input=read(v)) for v in direct]
 
         def no_copy():
             return [tf.zeros([0], v.dtype) for v in direct]
@@ -119,6 +150,7 @@ class DeferredUpdate:
 
         def update():
             self._update()
+            advance()  # (a tested update's bounds are then set to unknown)
             return tf.constant(True)
 
         def skip():
@@ -129,24 +161,17 @@ class DeferredUpdate:
         with tf.control_dependencies(saved):
             applied = tf.cond(finite, update, skip)
 
-        def proved_path():
-            advance()
-            return applied
-
         def test():
             now = [read(v) for v in direct]
-            ok = all_finite(now, flatten=entries(now) <= SELECT_LIMIT)
-
-            def put_back():
-                for variable, value in zip(direct, saved):
-                    tf.raw_ops.AssignVariableOp(resource=variable.handle, value=value)
-                if on_skip is not None:
-                    on_skip()
-                return tf.constant(0)
-
-            tf.cond(ok, lambda: tf.constant(0), put_back)
-            bound.remeasure()
+            floats = [value for value in now if value.dtype.is_floating]
+            ok = entries_finite(floats, flatten=entries(floats) <= SELECT_LIMIT)
+            for variable, new, old in zip(direct, now, saved):
+                tf.raw_ops.AssignVariableOp(resource=variable.handle,
+                                            value=tf.raw_ops.SelectV2(condition=ok, t=new, e=old))
+            if on_tested is not None:
+                on_tested()
+            bound.forget()
             return ok
 
         with tf.control_dependencies([applied]):
-            return tf.cond(tested, test, lambda: tf.cond(applied, proved_path, lambda: applied))
+            return tf.cond(tested, test, lambda: applied)

@@ -24,7 +24,7 @@ from companion.training.callbacks import CheckpointCallback, GuardCallback, asks
 from companion.training.patches import ModelPatches, restore_leftover
 from companion.training.records import DoctorView
 from companion.training.recovery import NO_LIMIT, Recovery, check_learning_rates, set_schedule_scale
-from companion.training.deferred import Undeferrable
+from companion.training.deferred import Undeferrable, worth_deferring
 from companion.training.inputs import (
     ON_NONFINITE, as_dataset, check_callbacks, check_finite_weights, check_targets, replay_batches,
 )
@@ -308,8 +308,13 @@ def train(
             x, batch_size, steps_per_epoch, validation_split, whole_epochs_only=not short_calls,
             epochs=int(epochs) - fit_arguments["initial_epoch"], variables=len(model.trainable_variables),
         ))
+    # The deferred update, or the masked step for a short call on a small model (its trace
+    # costs a first call less than the deferred update's saves over the call's steps).
+    batches = _batches_per_epoch(x, batch_size, steps_per_epoch, validation_split)
+    steps = None if batches is None else batches * max(int(epochs) - fit_arguments["initial_epoch"], 1)
     step = guarded_step(model, strategy, guard=on_nonfinite != "ignore", clip=clip_global_norm,
-                        limit=NO_LIMIT if rollback else limit, spikes=skip_loss_spikes)
+                        limit=NO_LIMIT if rollback else limit, spikes=skip_loss_spikes,
+                        defer=worth_deferring(model.trainable_variables, steps))
     if rescaled:
         step.forget_functions(patches)  # traced with the schedule before it was scaled
     doctor = DoctorView(
@@ -382,6 +387,18 @@ def _steps_per_execution(x, batch_size, steps_per_epoch, validation_split, whole
     a call's steps, of which TensorFlow takes at most :data:`UNROLLED_STEPS` iterator
     reads), the largest divisor of the epoch's batches up to that.
     """
+    batches = _batches_per_epoch(x, batch_size, steps_per_epoch, validation_split)
+    if batches is None:
+        return 1
+    if batches * max(int(epochs), 1) < max(MIN_STEPS_FOR_LOOP, MIN_STEPS_FOR_LOOP_PER_VARIABLE * variables):
+        return 1
+    if whole_epochs_only:
+        return max(d for d in range(1, min(batches, UNROLLED_STEPS) + 1) if batches % d == 0)
+    return max(1, min(batches, MAX_STEPS_PER_EXECUTION))
+
+
+def _batches_per_epoch(x, batch_size, steps_per_epoch, validation_split) -> int | None:
+    """How many batches an epoch of ``fit`` trains on (``None``: not known beforehand)."""
     batches = None
     if steps_per_epoch:
         batches = int(steps_per_epoch)
@@ -396,10 +413,4 @@ def _steps_per_execution(x, batch_size, steps_per_epoch, validation_split, whole
         if rows is not None:
             rows = int(rows * (1 - (validation_split or 0.0)))
             batches = max(1, math.ceil(rows / (batch_size or 32)))
-    if batches is None:
-        return 1
-    if batches * max(int(epochs), 1) < max(MIN_STEPS_FOR_LOOP, MIN_STEPS_FOR_LOOP_PER_VARIABLE * variables):
-        return 1
-    if whole_epochs_only:
-        return max(d for d in range(1, min(batches, UNROLLED_STEPS) + 1) if batches % d == 0)
-    return max(1, min(batches, MAX_STEPS_PER_EXECUTION))
+    return batches

@@ -116,11 +116,11 @@ def build_model(model, x) -> None:
         pass
 
 
-def guarded_step(model, strategy, *, guard, clip, limit, spikes=None) -> GuardedStep:
+def guarded_step(model, strategy, *, guard, clip, limit, spikes=None, defer=True) -> GuardedStep:
     """The cached :class:`GuardedStep` for this set-up (a new one after ``compile``)."""
     cache = model_cache(model)
     key = (
-        "step", id(model.optimizer), id(strategy), guard, clip, limit, spikes, int(model.steps_per_execution),
+        "step", id(model.optimizer), id(strategy), guard, clip, limit, spikes, int(model.steps_per_execution), defer,
         tuple(id(v) for v in model.trainable_variables), tuple(id(v) for v in model.metrics_variables),
         tuple(id(v) for v in model.non_trainable_variables),
     )
@@ -128,7 +128,7 @@ def guarded_step(model, strategy, *, guard, clip, limit, spikes=None) -> Guarded
     if step is None or step.optimizer is not model.optimizer:
         step = GuardedStep(
             model, strategy, capacity=int(model.steps_per_execution), guard=guard, clip=clip, limit=limit,
-            spikes=spikes,
+            spikes=spikes, defer=defer,
         )
         cache[key] = step
     return step

@@ -2,7 +2,7 @@
 
 The traced step (:mod:`companion.training.step`) writes one row per step into a small
 buffer of variables (columns :data:`LOSS`, :data:`NORM`, :data:`APPLIED`, :data:`SCALE`,
-:data:`SPIKE`, and the NaN/Inf counts of each gradient of a skipped step); after every host call
+:data:`SPIKE`, :data:`TESTED`, and the NaN/Inf counts of each gradient of a skipped step); after every host call
 :class:`~companion.training.callbacks.GuardCallback` drains it and
 :func:`append_records` turns the rows into the :class:`TrainingHistory`: losses, norms,
 loss scales, and a :class:`SkippedStep` with its diagnosis for each skipped step.
@@ -20,10 +20,11 @@ import numpy as np
 from companion.diagnostics.gradients import GradientRecord, GradientReport
 from companion.training.results import NonFiniteError, SkippedStep, TrainingHistory
 
-#: Columns of a step record (``SPIKE``: skipped as a loss spike).
-LOSS, NORM, APPLIED, SCALE, SPIKE = range(5)
+#: Columns of a step record (``SPIKE``: skipped as a loss spike; ``TESTED``: the deferred
+#: update took the tested path, after which the host measures the update's bounds again).
+LOSS, NORM, APPLIED, SCALE, SPIKE, TESTED = range(6)
 #: How many columns a step record has.
-COLUMNS = 5
+COLUMNS = 6
 
 
 def append_records(history: TrainingHistory, records, counts, variables, *, epoch: int, loss_scaled: bool,

@@ -70,6 +70,7 @@ from companion.training.holdings import model_optimizers, random_state
 from companion.training.interception import OptimizerInterception, TraceSlot
 from companion.training.patches import ModelPatches
 from companion.training.buffer import ON_READ, RecordBuffer
+from companion.training.records import TESTED
 from companion.training.spikes import LossSpikes
 from companion.training.values import SELECT_LIMIT, float_values as _float_values, read as _read
 from companion.training.values import all_finite as _all_finite, entries as _entries
@@ -320,14 +321,21 @@ class GuardedStep(OptimizerInterception):
             # so that no gradient outlives its variable's update; then the update, only
             # if everything above is finite and it is proved (or, tested on a copy,
             # found) finite itself.
-            on_skip = None
+            on_skip = on_tested = None
+            n = len(self.variables)
             if counts is not None and self._few_weights():
-                buffer.write_counts(counts, written, applied, len(self.variables), True)  # at every step: a few ops
+                buffer.write_counts(counts, written, applied, n, True)  # at every step: a few ops
             elif counts is not None:
                 def on_skip(counts=counts):  # inside the update's conditional: no gradient waits for it
-                    buffer.write_counts(counts, written, None, len(self.variables), False)
+                    buffer.write_counts(counts, written, None, n, False)
+
+                def on_tested():  # the gradients were finite: no count to take
+                    buffer.write_counts(lambda: tf.zeros([2, n], tf.int64), written, None, n, False)
             counts = None
-            applied = slot.deferred.run(applied, self._direct(), on_skip)
+            applied = slot.deferred.run(applied, self._direct(), on_skip, on_tested)
+            tested = tf.cast(slot.deferred.tested, tf.float32)
+        else:
+            tested = tf.constant(0.0)
         self._put_back(restored, applied, now)
         if spike is not None:
             self.loss_spikes.count(loss, spike, threshold, tf.raw_ops.LogicalOr(x=applied, y=spike))
@@ -335,7 +343,7 @@ class GuardedStep(OptimizerInterception):
             buffer.write_log_flags(logs, written)
         spiked = tf.constant(0.0) if spike is None else tf.cast(spike, tf.float32)
         row = tf.stack([tf.cast(loss, tf.float32), tf.cast(norm, tf.float32), tf.cast(applied, tf.float32), scale,
-                        spiked])
+                        spiked, tested])
         # A spike is a finite step: it ends a run of non-finite ones, as an applied step does.
         ended = applied if spike is None else tf.raw_ops.LogicalOr(x=applied, y=spike)
         if one:
@@ -448,8 +456,12 @@ class GuardedStep(OptimizerInterception):
         self.buffer.reset(consecutive)
 
     def drain(self) -> tuple[np.ndarray, np.ndarray | None]:
-        """The records of the steps run since the last drain, and their NaN/Inf counts."""
-        return self.buffer.drain(self.guard)
+        """The records of the steps run since the last drain, and their NaN/Inf counts; the
+        deferred update's bounds measured again if one of these steps took its tested path."""
+        records, counts = self.buffer.drain(self.guard)
+        if self.bound is not None and len(records) and records[:, TESTED].any():
+            self.bound.measure()
+        return records, counts
 
     def nonfinite_logs(self, row: int) -> list[str]:
         """The logged values that were not finite at ``row`` of the last drained records."""

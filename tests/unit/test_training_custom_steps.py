@@ -21,6 +21,15 @@ from keras_io_models import GuideModel
 RNG = np.random.default_rng(0)
 
 
+@pytest.fixture(autouse=True, params=["by-length", "deferred"])
+def update_path(request):
+    """Each test twice: as ``train`` chooses for these short calls on small models (the
+    masked step), and with the update deferred, as a long call or a large model runs."""
+    if request.param == "deferred":
+        request.getfixturevalue("always_defer")
+    return request.param
+
+
 def every_variable(model, values: bool = True) -> dict:
     """Every variable of the model, its metrics and all its optimizers (their values, or
     with ``values=False`` the variables), keyed by position and, for the random state,

@@ -19,8 +19,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from companion.training import train
-from companion.training.bounds import UpdateBound, provable
+from companion.training.bounds import UNKNOWN, UpdateBound, provable
+from companion.training.records import APPLIED, COLUMNS, TESTED
 from companion.training.step import model_cache
+
+#: Every test here is of the deferred update, on small models and short calls that would
+#: otherwise take the masked step.
+pytestmark = pytest.mark.usefixtures("always_defer")
 
 OPTIMIZERS = {
     "SGD": lambda lr: keras.optimizers.SGD(lr),
@@ -130,6 +135,31 @@ def test_an_update_that_is_not_finite_from_finite_gradients_is_skipped_bit_for_b
     after = [v.numpy() for v in [*model.variables, *model.optimizer.variables]]
     for a, b in zip(before, after):
         np.testing.assert_array_equal(a, b)
+
+
+def test_after_a_tested_step_the_host_measures_the_bounds_again():
+    # The tested path sets the bounds to unknown (no measure traced into the step); the
+    # drain after the host call measures them exactly, so the next call's steps are proved.
+    x, y = _data(64)
+    model = _model()
+    train(model, x, y, batch_size=32, epochs=1, shuffle=False, loss="mse", verbose=0,
+          optimizer=keras.optimizers.Adam(1e-3))
+    step = _step(model)
+    bound = step.bound
+    bound.forget()  # as the tested path does, inside the step
+    assert float(bound.weights.numpy()) >= UNKNOWN and float(bound.slots.numpy()) >= UNKNOWN
+    row = np.zeros([step.buffer.capacity, COLUMNS], np.float32)
+    row[0, APPLIED] = row[0, TESTED] = 1.0
+    step.buffer.records.assign(row)
+    step.buffer.written.assign(1)
+    step.drain()
+    largest = max(float(np.abs(v.numpy()).max()) for v in model.trainable_variables)
+    assert float(bound.weights.numpy()) == largest
+    slots = [v for v in model.optimizer.variables if tuple(v.shape) in {tuple(w.shape) for w in model.trainable_variables}]
+    assert float(bound.slots.numpy()) == max(float(np.abs(v.numpy()).max()) for v in slots)
+    tested = int(bound.tested.numpy())
+    train(model, x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    assert int(bound.tested.numpy()) == tested, "the steps after the bounds were measured again were not proved"
 
 
 class _Regression(keras.Model):

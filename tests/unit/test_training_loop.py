@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from companion.training import NonFiniteError, SkippedStep, TrainingHistory, train
+from companion.training import deferred
 from companion.training.loop import MIN_STEPS_FOR_LOOP, MIN_STEPS_FOR_LOOP_PER_VARIABLE
 from training_data import (
     BATCH,
@@ -133,7 +134,7 @@ def _conditional_update_optimizer():
     ids=["masked", "conditional-update-small-model", "conditional-update-large-model",
          "small-model-without-xla", "large-model-without-xla", "tested-update-large-model-without-xla"],
 )
-def test_skipped_step_leaves_weights_and_optimizer_state_unchanged(width, make_optimizer, update, xla):
+def test_skipped_step_leaves_weights_and_optimizer_state_unchanged(width, make_optimizer, update, xla, always_defer):
     # "masked": on one replica the step runs, and its end selects, for every variable
     # of the model and its optimizers, between the new and the old value (fused by XLA),
     # whatever the optimizer's update holds (here a conditional of its own).
@@ -167,6 +168,26 @@ def test_skipped_step_leaves_weights_and_optimizer_state_unchanged(width, make_o
     assert again.update == update
 
 
+def test_a_short_call_on_a_small_model_is_masked_a_longer_one_or_an_unknown_length_deferred(monkeypatch):
+    # The masked step's trace costs a first call less; the deferred update's steps cost
+    # less: a call defers once its steps times the model's weights reach DEFER_FROM.
+    # Large models always defer (the masked step's copy would cost memory), a model not
+    # built yet too.
+    assert deferred.worth_deferring([tf.zeros([deferred.MASK_UP_TO + 1])], 1)
+    assert not deferred.worth_deferring([tf.zeros([deferred.MASK_UP_TO])], 1)
+    assert deferred.worth_deferring([], 1)
+    model, optimizer = make_model(batch_norm=True), keras.optimizers.Adam(0.05)
+    weights = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    monkeypatch.setattr(deferred, "DEFER_FROM", 3 * weights)
+    data = make_dataset(poisoned=[1], n_batches=2)
+    short = train(model, data, loss="mse", optimizer=optimizer, verbose=0)  # 2 steps
+    assert short.update == "masked" and short.skipped == [1]
+    longer = train(model, data, epochs=2, verbose=0)  # 4 steps
+    assert longer.update == "deferred" and longer.skipped == [1, 3]
+    unknown = train(model, data.filter(lambda x, y: True), verbose=0)  # no cardinality
+    assert unknown.update == "deferred"
+
+
 #: One optimizer per kind of update code in Keras (momentum, centred second moments,
 #: weight decay and clipping, sign updates, factored moments, FTRL's own accumulators).
 KERAS_OPTIMIZERS = {
@@ -180,7 +201,7 @@ KERAS_OPTIMIZERS = {
 
 
 @pytest.mark.parametrize("make_optimizer", KERAS_OPTIMIZERS.values(), ids=KERAS_OPTIMIZERS.keys())
-def test_every_keras_optimizer_is_deferred_and_a_skip_leaves_its_state_bit_identical(make_optimizer):
+def test_every_keras_optimizer_is_deferred_and_a_skip_leaves_its_state_bit_identical(make_optimizer, always_defer):
     poisoned_model, poisoned_opt = make_model(batch_norm=True), make_optimizer()
     clean_model, clean_opt = make_model(batch_norm=True), make_optimizer()
     data = make_dataset(poisoned=[1], n_batches=2)
