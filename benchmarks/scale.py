@@ -333,7 +333,10 @@ def main(argv=None) -> int:
         models = {name: {"description": MODELS[name][0], "params": r["params"], "weights_bytes": r["weights_bytes"],
                          "batches": r["batches"], "batch_size": BATCH, "runs": r["runs"]}
                   for name, r in results.items()}
-        write_results(args.json, "scale", rows, extra={"models": models, "epochs": list(EPOCHS)})
+        write_results(args.json, "scale", rows, extra={
+            "models": models, "epochs": list(EPOCHS),
+            # The load when the run started (the file's load_average is the one at its end).
+            "load_at_start": round(load, 2), "allow_load": bool(args.allow_load)})
     return 0
 
 

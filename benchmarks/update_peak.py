@@ -52,7 +52,7 @@ def child(variant: str, width: int, batch: int) -> dict:
     import numpy as np
     import tensorflow as tf
 
-    from companion._gradients import global_norm, one_update_at_a_time
+    from companion._gradients import CHAIN_FROM, global_norm, one_update_at_a_time
 
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((width,))] + [keras.layers.Dense(width, activation="tanh")
@@ -78,7 +78,7 @@ def child(variant: str, width: int, batch: int) -> dict:
 
         def update():
             if variant == "one at a time":
-                with one_update_at_a_time(optimizer, on_cpu=True):
+                with one_update_at_a_time(optimizer, smallest=CHAIN_FROM):
                     optimizer.apply(grads, model.trainable_variables)
             else:
                 optimizer.apply(grads, model.trainable_variables)

@@ -110,7 +110,7 @@ CHAIN_FROM_ON_CPU = 2**21
 
 
 @contextlib.contextmanager
-def one_update_at_a_time(optimizer, smallest: int | None = None, on_cpu: bool = False):
+def one_update_at_a_time(optimizer, smallest: int | None = None):
     """While traced inside, the large variables' updates of ``optimizer`` run one after another.
 
     An update that waits for a test of every gradient (a conditional on their norm, as
@@ -126,7 +126,7 @@ def one_update_at_a_time(optimizer, smallest: int | None = None, on_cpu: bool = 
 
     Which variables are large: ``smallest`` entries or more; by default
     :data:`CHAIN_FROM` where a GPU or a TPU is (whose kernels run in stream order anyway
-    and whose memory is the limit) or where ``on_cpu`` asks to chain as there, and
+    and whose memory is the limit; ``smallest=CHAIN_FROM`` chains as there on a CPU), and
     :data:`CHAIN_FROM_ON_CPU` on a CPU alone. There, chaining every variable from
     :data:`CHAIN_FROM` up made the steady time of a compute-bound MLP of 0.4 M weights
     (256-512-512-1) 1.91 times ``fit``'s in one run of ``benchmarks/scale.py``, its short
@@ -138,7 +138,7 @@ def one_update_at_a_time(optimizer, smallest: int | None = None, on_cpu: bool = 
     traced by several replicas at once (their threads share the instance).
     """
     if smallest is None:
-        accelerated = on_cpu or any(tf.config.list_logical_devices(kind) for kind in ("GPU", "TPU"))
+        accelerated = any(tf.config.list_logical_devices(kind) for kind in ("GPU", "TPU"))
         smallest = CHAIN_FROM if accelerated else CHAIN_FROM_ON_CPU
     names = ("update_step", "assign", "assign_add", "assign_sub")
     context = tf.distribute.get_replica_context()

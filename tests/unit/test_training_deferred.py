@@ -253,7 +253,7 @@ def test_on_a_cpu_alone_only_the_largest_variables_updates_are_chained():
 
         @tf.function
         def step():
-            with one_update_at_a_time(optimizer, on_cpu=on_cpu):
+            with one_update_at_a_time(optimizer, smallest=CHAIN_FROM if on_cpu else None):
                 optimizer.apply(grads, variables)
 
         graph = step.get_concrete_function().graph
@@ -284,7 +284,7 @@ def test_large_variables_are_updated_one_after_another_and_to_the_same_bits(name
             @tf.function
             def step():
                 if chained:
-                    with one_update_at_a_time(optimizer, on_cpu=True):
+                    with one_update_at_a_time(optimizer, smallest=CHAIN_FROM):
                         optimizer.apply(grads, variables)
                 else:
                     optimizer.apply(grads, variables)
