@@ -6,11 +6,12 @@ validation, ``steps_per_execution``, ``History``. What ``train`` adds is a guard
 model's own ``train_step`` (Keras', or the user's override: a GAN's, a VAE's, Keras'
 guide's) and decides, after it, whether the step counts.
 
-* On one replica, without XLA or a loss scaler, the model optimizer's update is
-  deferred to the step's end and run under one predicate, with no copy of the weights
-  or of the optimizer's state (:mod:`companion.training.deferred`); only the small state
-  the step writes itself is read before it and put back. Otherwise (and for a step that
-  reads or writes what the update writes, traced again):
+* On one replica, without XLA or a loss scaler, in a call long enough for its model
+  (``defer``, :func:`companion.training.deferred.worth_deferring`), the model
+  optimizer's update is deferred to the step's end and run under one predicate, with no
+  copy of the weights or of the optimizer's state (:mod:`companion.training.deferred`);
+  only the small state the step writes itself is read before it and put back. Otherwise
+  (and for a step that reads or writes what the update writes, traced again):
 * Before the step, the values of every variable a step may write are read (under
   several replicas, each replica its own copy): every variable of the model (weights,
   non-trainable state such as batch-norm statistics, the metrics) and of every
@@ -89,6 +90,9 @@ class GuardedStep(OptimizerInterception):
         spikes: the ``skip_loss_spikes`` of :func:`train` (a step whose loss is more
             than this many running standard deviations above the running mean of the
             loss is skipped), or ``None``.
+        defer: defer the update where one replica without a loss scaler allows it
+            (``False``: the masked step, for a call too short for its model).
+        watch_logs: record which logged values were not finite (the NaN doctor's step).
     """
 
     def __init__(self, model, strategy, *, capacity: int, guard: bool, clip: float | None, limit: int,
