@@ -302,16 +302,17 @@ def train(
     short_calls = _internal.multi_step_loop_ends_short_calls()
     if chosen and not short_calls and (validation_data is not None or validation_split):
         chosen = False  # older Keras would drop the validation pass's short last call
+    batches = _batches_per_epoch(x, batch_size, steps_per_epoch, validation_split)
+    call_epochs = max(int(epochs) - fit_arguments["initial_epoch"], 1)
     if chosen and strategy.num_replicas_in_sync == 1:
         # (Keras 3.15's multi-step loop fails under MirroredStrategy: one step per call there.)
         patches.set(model, "steps_per_execution", _steps_per_execution(
-            x, batch_size, steps_per_epoch, validation_split, whole_epochs_only=not short_calls,
-            epochs=int(epochs) - fit_arguments["initial_epoch"], variables=len(model.trainable_variables),
+            batches, whole_epochs_only=not short_calls, epochs=call_epochs,
+            variables=len(model.trainable_variables),
         ))
     # The deferred update, or the masked step for a short call on a small model (its trace
     # costs a first call less than the deferred update's saves over the call's steps).
-    batches = _batches_per_epoch(x, batch_size, steps_per_epoch, validation_split)
-    steps = None if batches is None else batches * max(int(epochs) - fit_arguments["initial_epoch"], 1)
+    steps = None if batches is None else batches * call_epochs
     step = guarded_step(model, strategy, guard=on_nonfinite != "ignore", clip=clip_global_norm,
                         limit=NO_LIMIT if rollback else limit, spikes=skip_loss_spikes,
                         defer=worth_deferring(model.trainable_variables, steps))
@@ -377,17 +378,16 @@ def _fit(model, x, y, step, patches, callbacks, fit_arguments, history, cluster,
             raise
 
 
-def _steps_per_execution(x, batch_size, steps_per_epoch, validation_split, whole_epochs_only=False,
-                         epochs=1, variables=0) -> int:
-    """Steps per host call when no one asked for per-step hooks: up to an epoch, when the
-    ``epochs`` of the call run at least :data:`MIN_STEPS_FOR_LOOP` steps and
-    :data:`MIN_STEPS_FOR_LOOP_PER_VARIABLE` per trainable variable (else 1).
+def _steps_per_execution(batches, whole_epochs_only=False, epochs=1, variables=0) -> int:
+    """Steps per host call when no one asked for per-step hooks: up to an epoch of
+    ``batches`` (``None``: not known, 1), when the ``epochs`` of the call run at least
+    :data:`MIN_STEPS_FOR_LOOP` steps and :data:`MIN_STEPS_FOR_LOOP_PER_VARIABLE` per
+    trainable variable (else 1).
 
     With ``whole_epochs_only`` (an older Keras that drops a short last call and unrolls
     a call's steps, of which TensorFlow takes at most :data:`UNROLLED_STEPS` iterator
     reads), the largest divisor of the epoch's batches up to that.
     """
-    batches = _batches_per_epoch(x, batch_size, steps_per_epoch, validation_split)
     if batches is None:
         return 1
     if batches * max(int(epochs), 1) < max(MIN_STEPS_FOR_LOOP, MIN_STEPS_FOR_LOOP_PER_VARIABLE * variables):

@@ -559,13 +559,13 @@ def test_the_doctor_finds_the_first_skipped_batch_of_arrays_and_skips_inputs_it_
 def test_an_older_keras_runs_at_most_32_steps_per_host_call_dividing_the_epoch():
     """Keras 3.5 unrolls a call's steps (TensorFlow refuses more than 32 iterator reads in
     one function) and drops a short last call: the largest divisor of the epoch up to 32."""
-    from companion.training.loop import UNROLLED_STEPS, _steps_per_execution
+    from companion.training.loop import UNROLLED_STEPS, _batches_per_epoch, _steps_per_execution
 
     def chosen(batches):
         x = np.zeros((batches * 4, 1), "float32")
-        return _steps_per_execution(x, 4, None, 0.0, whole_epochs_only=True, epochs=3)
+        return _steps_per_execution(_batches_per_epoch(x, 4, None, 0.0), whole_epochs_only=True, epochs=3)
 
     assert UNROLLED_STEPS == 32
     assert [chosen(b) for b in (64, 40, 37, 96, 12)] == [32, 20, 1, 32, 12]
     x = np.zeros((64 * 4, 1), "float32")
-    assert _steps_per_execution(x, 4, None, 0.0, epochs=3) == 64  # a newer Keras: the whole epoch
+    assert _steps_per_execution(_batches_per_epoch(x, 4, None, 0.0), epochs=3) == 64  # a newer Keras: the whole epoch
