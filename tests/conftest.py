@@ -1,4 +1,6 @@
-"""Fixtures shared by the tests of the built book (packaging, launch buttons, API page, browser).
+"""Fixtures shared by the tests: the built book's (packaging, launch buttons, API page,
+browser), the deferred update's switch, and tf.data's autotuning turned off in the test
+processes.
 
 The book is built once per test session, with the README's build command plus warnings as
 errors and nitpicky references, into a temporary folder; every test that looks at the HTML
@@ -25,6 +27,34 @@ for _folder in ("book", "unit", "distributed", ""):
     sys.path.insert(0, str(_TESTS / _folder))
 
 import book_tools  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tf_data_without_autotuning():
+    """tf.data's autotuning off in the test processes (the chapters' kernels keep it).
+
+    An iterator of a pipeline that autotunes (Keras' own input pipelines, a ``prefetch`` or
+    ``map`` with ``tf.data.AUTOTUNE``) runs a model thread; in TensorFlow 2.20 freeing such
+    an iterator late (a garbage collection, tests later) can wait for that thread's next
+    wake-up, up to a minute, with no CPU used. Measured in this suite (2026-12-05): in
+    each run, five tests or so that stalled 10-80 s (a different few each time, whichever
+    was running when the collection came), 130-240 s of the two workers' time;
+    test_doctor_remedies.py and test_models.py in one process took 63.0 s for 55.0 s of
+    CPU with autotuning, 50.2 s for 51.3 s without.
+    Autotuning sets buffer sizes and parallelism only: no element, order or value changes.
+    If TensorFlow's options module moves, the tests run with autotuning as it is.
+    """
+    try:
+        from tensorflow.python.data.ops import options as data_options
+        from tensorflow.python.data.util import options as options_util
+    except ImportError:
+        yield
+        return
+    default = data_options.AutotuneOptions.enabled
+    data_options.AutotuneOptions.enabled = options_util.create_option(
+        name="enabled", ty=bool, docstring=default.__doc__, default_factory=lambda: False)
+    yield
+    data_options.AutotuneOptions.enabled = default
 
 
 @dataclasses.dataclass(frozen=True)
