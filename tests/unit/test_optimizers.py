@@ -7,6 +7,7 @@ import re
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from companion.optimizers import SkipNonFinite
 from training_data import N_BATCHES, X, Y, assert_bit_identical, make_dataset, make_model, state_of
@@ -33,6 +34,23 @@ def test_skip_nonfinite_skip_leaves_inner_optimizer_state_unchanged():
     clean_model.fit(make_dataset(n_batches=1), verbose=0, shuffle=False)
     inner = guarded_model.optimizer.inner_optimizer
     assert_bit_identical(state_of(guarded_model, inner), state_of(clean_model, clean_model.optimizer))
+
+
+@pytest.mark.parametrize("entry, applied", [(3e38, True), (np.nan, False), (-np.inf, False)])
+def test_a_large_gradient_whose_sum_overflows_is_tested_entry_by_entry(entry, applied):
+    """A gradient of more than 2**16 entries is tested by its sum first (one pass, no
+    temporary of its size); finite entries whose sum overflows (3 x 3e38) are still
+    applied, a NaN or an infinity among them skipped."""
+    variable = keras.Variable(np.zeros((300, 300), np.float32))
+    gradient = np.zeros((300, 300), np.float32)
+    gradient[0, :2] = 3e38
+    gradient[5, 7] = entry
+    optimizer = SkipNonFinite(keras.optimizers.SGD(1e-30))
+    tf.function(lambda g: optimizer.apply([g], [variable]))(tf.constant(gradient))
+    assert int(optimizer.skipped_steps) == (0 if applied else 1)
+    after = variable.numpy()
+    assert np.isfinite(after).all()
+    assert (after[0, 0] != 0) == applied
 
 
 def test_skip_nonfinite_rejects_what_it_cannot_wrap():
