@@ -31,7 +31,11 @@ import book_tools  # noqa: E402
 
 @pytest.fixture(scope="session", autouse=True)
 def tf_data_without_autotuning():
-    """tf.data's autotuning off in the test processes (the chapters' kernels keep it).
+    """tf.data's autotuning off by default in pytest's processes (each xdist worker's): the
+    default of ``tf.data.Options().autotune.enabled`` is ``False`` for the session (a
+    pipeline that sets it keeps its setting; the scripts that tests run in fresh processes
+    and the chapters' kernels keep autotuning). The default is put back at the session's
+    end (an ``Options`` read meanwhile keeps ``False``: TensorFlow's getter stores it).
 
     An iterator of a pipeline that autotunes (Keras' own input pipelines, a ``prefetch`` or
     ``map`` with ``tf.data.AUTOTUNE``) runs a model thread; in TensorFlow 2.20 freeing such
