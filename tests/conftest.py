@@ -38,9 +38,9 @@ def tf_data_without_autotuning():
     end (an ``Options`` read meanwhile keeps ``False``: TensorFlow's getter stores it).
 
     An iterator of a pipeline that autotunes (Keras' own input pipelines, a ``prefetch`` or
-    ``map`` with ``tf.data.AUTOTUNE``) runs a model thread; in TensorFlow 2.20 freeing such
-    an iterator late (a garbage collection, tests later) can wait for that thread's next
-    wake-up, up to a minute, with no CPU used. Measured in this suite (2026-12-05): in
+    ``map`` with ``tf.data.AUTOTUNE``) runs a model thread; in the lock's TensorFlow (2.21)
+    freeing such an iterator late (a garbage collection, tests later) can wait for that
+    thread's next wake-up, up to a minute, with no CPU used. Measured in this suite (2026-12-05): in
     each run, five tests or so that stalled 10-80 s (a different few each time, whichever
     was running when the collection came), 130-240 s of the two workers' time;
     test_doctor_remedies.py and test_models.py in one process took 63.0 s for 55.0 s of
