@@ -32,10 +32,13 @@ import book_tools  # noqa: E402
 @pytest.fixture(scope="session", autouse=True)
 def tf_data_without_autotuning():
     """tf.data's autotuning off by default in pytest's processes (each xdist worker's): the
-    default of ``tf.data.Options().autotune.enabled`` is ``False`` for the session (a
-    pipeline that sets it keeps its setting; the scripts that tests run in fresh processes
-    and the chapters' kernels keep autotuning). The default is put back at the session's
-    end (an ``Options`` read meanwhile keeps ``False``: TensorFlow's getter stores it).
+    default of ``tf.data.Options().autotune.enabled`` is ``False`` for the session, and
+    every pipeline a Python iterator is made of gets its options written out (a pipeline
+    with none in its graph, as most of the tests' own, would autotune by the runtime's
+    default; one that sets it keeps its setting; the scripts that tests run in fresh
+    processes and the chapters' kernels keep autotuning). Both are put back at the
+    session's end (an ``Options`` read meanwhile keeps ``False``: TensorFlow's getter
+    stores it).
 
     An iterator of a pipeline that autotunes (Keras' own input pipelines, a ``prefetch`` or
     ``map`` with ``tf.data.AUTOTUNE``) runs a model thread; in the lock's TensorFlow (2.21)
@@ -44,11 +47,14 @@ def tf_data_without_autotuning():
     each run, five tests or so that stalled 10-80 s (a different few each time, whichever
     was running when the collection came), 130-240 s of the two workers' time;
     test_doctor_remedies.py and test_models.py in one process took 63.0 s for 55.0 s of
-    CPU with autotuning, 50.2 s for 51.3 s without.
+    CPU with autotuning, 50.2 s for 51.3 s without. With the default alone, the pipelines
+    that tests build themselves kept autotuning: two or three stalls of 30-57 s a run
+    remained (2026-12-05, the same wait in gdb), none with the options written out.
     Autotuning sets buffer sizes and parallelism only: no element, order or value changes.
     If TensorFlow's options module moves, the tests run with autotuning as it is.
     """
     try:
+        from tensorflow.python.data.ops import iterator_ops
         from tensorflow.python.data.ops import options as data_options
         from tensorflow.python.data.util import options as options_util
     except ImportError:
@@ -57,7 +63,19 @@ def tf_data_without_autotuning():
     default = data_options.AutotuneOptions.enabled
     data_options.AutotuneOptions.enabled = options_util.create_option(
         name="enabled", ty=bool, docstring=default.__doc__, default_factory=lambda: False)
+    # A pipeline no one gave options to (a test's own ``from_tensor_slices(...).batch(8)``
+    # handed to fit) carries none in its graph, and the runtime's default is to autotune:
+    # every iterator's pipeline gets the options written out.
+    create_iterator = iterator_ops.OwnedIterator._create_iterator
+
+    def create_without_autotuning(self, dataset):
+        options = data_options.Options()
+        options.autotune.enabled = dataset.options().autotune.enabled
+        return create_iterator(self, dataset.with_options(options))
+
+    iterator_ops.OwnedIterator._create_iterator = create_without_autotuning
     yield
+    iterator_ops.OwnedIterator._create_iterator = create_iterator
     data_options.AutotuneOptions.enabled = default
 
 
