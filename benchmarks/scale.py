@@ -29,8 +29,9 @@ of its own). Run with::
     python benchmarks/scale.py [--quick] [--rounds N] [--models NAME,...] [--json PATH]
 
 ``--json auto`` writes into ``companion/book/benchmark_results/`` under the default name.
-``--quick`` (the small CNN, 1 round, 16 batches an epoch: 8 processes, under a minute)
-only checks that the benchmark runs: its numbers are not the full run's. The full run
+``--quick`` (the small CNN, 1 round, 16 batches an epoch: 4 processes, each running both
+lengths on fresh models, under a minute) only checks that the benchmark runs: its numbers
+are not the full run's (a second run's peak memory is not its own). The full run
 (5 models, 3 rounds, 120 processes) takes about 25 minutes on 2 cores; ``--models`` picks
 models, ``--batches`` sets every model's batches per epoch.
 """
@@ -195,21 +196,40 @@ def run_child(name: str, variant: str, epochs: int, batches: int) -> dict:
     )
 
 
-def measure(name: str, batches: int, rounds: int, retries: int = RETRIES) -> dict:
-    """{variant: [per-round {"t1", "t5", "steady", "cpu_steady", "growth_mib"}]} and the model's size."""
+def run_both_in_one_child(name: str, variant: str, batches: int) -> dict:
+    """--quick: both lengths in one fresh process, each on a fresh model ({epochs: result}).
+    Half the processes of a measurement; the second run's memory is not its own."""
+    both = run_child_process(__file__, name, variant, ",".join(map(str, EPOCHS)), str(batches),
+                             what=f"{name}, {variant}, {' and '.join(map(str, EPOCHS))} epochs")
+    for result in both["lengths"]:
+        if not result["completed"]:
+            raise RuntimeError(f"the run of {name}, {variant}, {result['epochs']} epochs did not end all its "
+                               "epochs with a finite loss: its time is not a steady epoch's")
+    return {result["epochs"]: result for result in both["lengths"]}
+
+
+def measure(name: str, batches: int, rounds: int, retries: int = RETRIES, one_process: bool = False) -> dict:
+    """{variant: [per-round {"t1", "t5", "steady", "cpu_steady", "growth_mib"}]} and the model's size.
+
+    ``one_process`` (--quick): both lengths of a variant in one process."""
     runs = {variant: [] for variant in VARIANTS}
     size = None
     for r in range(rounds):
         order = VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)]
         for variant in order:
             for attempt in range(retries + 1):
-                timed = {}
-                # Which length runs first alternates too (a slow spell of the machine hits both).
-                for epochs in (EPOCHS if (r + VARIANTS.index(variant)) % 2 == 0 else EPOCHS[::-1]):
-                    print(f"  {name}, round {r + 1}/{rounds}: {NAMES[variant]}, {epochs} epoch{'s' * (epochs > 1)}"
-                          f" of {batches} batches" + (f" (again: {attempt + 1})" if attempt else ""),
-                          file=sys.stderr, flush=True)
-                    timed[epochs] = run_child(name, variant, epochs, batches)
+                again = f" (again: {attempt + 1})" if attempt else ""
+                if one_process:
+                    print(f"  {name}: {NAMES[variant]}, {' and '.join(map(str, EPOCHS))} epochs of {batches} "
+                          f"batches in one process{again}", file=sys.stderr, flush=True)
+                    timed = run_both_in_one_child(name, variant, batches)
+                else:
+                    timed = {}
+                    # Which length runs first alternates too (a slow spell of the machine hits both).
+                    for epochs in (EPOCHS if (r + VARIANTS.index(variant)) % 2 == 0 else EPOCHS[::-1]):
+                        print(f"  {name}, round {r + 1}/{rounds}: {NAMES[variant]}, {epochs} "
+                              f"epoch{'s' * (epochs > 1)} of {batches} batches{again}", file=sys.stderr, flush=True)
+                        timed[epochs] = run_child(name, variant, epochs, batches)
                 short, long = timed[EPOCHS[0]], timed[EPOCHS[1]]
                 if long["seconds"] > short["seconds"] and long["cpu_seconds"] > short["cpu_seconds"]:
                     break
@@ -293,7 +313,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.child:
         name, variant, epochs, batches = args.child
-        print(json.dumps(child(name, variant, int(epochs), int(batches))), flush=True)
+        lengths = [child(name, variant, int(e), int(batches)) for e in epochs.split(",")]
+        print(json.dumps(lengths[0] if len(lengths) == 1 else {"lengths": lengths}), flush=True)
         return 0
 
     names = args.models.split(",") if args.models else list(QUICK_BATCHES if args.quick else MODELS)
@@ -313,7 +334,8 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     for name in names:
         batches = args.batches or (QUICK_BATCHES.get(name, 2) if args.quick else MODELS[name][1])
-        results[name] = measure(name, batches, rounds, QUICK_RETRIES if args.quick else RETRIES)
+        results[name] = measure(name, batches, rounds, QUICK_RETRIES if args.quick else RETRIES,
+                                one_process=args.quick)
         model_rows = summarise(name, results[name])
         rows += model_rows
         print(f"\n{name}: {MODELS[name][0]}, {results[name]['params'] / 1e6:.2f} M weights "

@@ -22,7 +22,8 @@ Run with::
 
     python benchmarks/update_peak.py [--quick] [--rounds N] [--json PATH]
 
-``--quick`` (a smaller MLP, 1 round) only checks that the script runs.
+``--quick`` (a smaller MLP, 1 round, every variant in one process) only checks that the
+script runs: its numbers are not the full run's.
 """
 
 from __future__ import annotations
@@ -103,6 +104,14 @@ def run_child(variant: str, width: int, batch: int) -> dict:
                              env={"TF_CPU_ALLOCATOR_USE_BFC": "true"})
 
 
+def run_all_in_one_child(width: int, batch: int) -> dict:
+    """--quick: every variant in one fresh process, one after another ({variant: result});
+    a later variant's peak is over what the earlier ones left held."""
+    every = run_child_process(__file__, ",".join(VARIANTS), str(width), str(batch), what="every variant",
+                              env={"TF_CPU_ALLOCATOR_USE_BFC": "true"})
+    return {result["variant"]: result for result in every["variants"]}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller MLP, 1 round (a smoke test)")
@@ -111,17 +120,24 @@ def main(argv=None) -> int:
     parser.add_argument("--child", nargs=3, metavar=("VARIANT", "WIDTH", "BATCH"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        variant, width, batch = args.child
-        print(json.dumps(child(variant, int(width), int(batch))), flush=True)
+        variants, width, batch = args.child
+        results = [child(variant, int(width), int(batch)) for variant in variants.split(",")]
+        print(json.dumps(results[0] if len(results) == 1 else {"variants": results}), flush=True)
         return 0
 
     width, batch = SIZES["quick" if args.quick else "full"]
     rounds = 1 if args.quick else args.rounds
     print(f"{rounds} round{'s' * (rounds > 1)}: one compiled Adam step of an MLP of {LAYERS} layers "
-          f"{width} x {width}, batch {batch}, each variant a fresh process", flush=True)
+          f"{width} x {width}, batch {batch}, "
+          + ("every variant in one process" if args.quick else "each variant a fresh process"), flush=True)
     started = time.perf_counter()
     runs = {variant: [] for variant in VARIANTS}
     for r in range(rounds):
+        if args.quick:
+            print("  every variant in one process", file=sys.stderr, flush=True)
+            for variant, result in run_all_in_one_child(width, batch).items():
+                runs[variant].append(result)
+            continue
         for variant in VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)]:
             print(f"  round {r + 1}/{rounds}: {variant}", file=sys.stderr, flush=True)
             runs[variant].append(run_child(variant, width, batch))
