@@ -87,19 +87,27 @@ def _apply_on_copies(optimizer, variables, grads, dtype=None, values=None, state
     if values is None:
         values = [np.asarray(v.numpy()) for v in variables]
     pairs = [(v, g, value) for v, g, value in zip(variables, grads, values) if g is not None]
+    # A built optimizer's copy is built on copies of every variable it was built on, so
+    # that its state maps one to one, even when this update is of some of them (a model's
+    # own step that applies it to part of the model: ``train`` builds the optimizer on all).
+    built_on = _built_on(optimizer, [v for v, _, _ in pairs])
     # The copies are made once per optimizer, dtype and change (a scan of many batches
     # reuses them), and given the values to start from at each call.
-    key = (dtype, tuple(sorted(changes.items())), tuple(id(v) for v, _, _ in pairs))
+    key = (dtype, tuple(sorted(changes.items())), tuple(id(v) for v in built_on))
     made = _COPIES.setdefault(optimizer, {})
     if key not in made:
         clone = type(optimizer).from_config({**optimizer.get_config(), **changes})
-        copies = [keras.Variable(value.astype(dtype) if dtype else value, dtype=dtype or variable.dtype,
-                                 trainable=True, name=variable.name) for variable, _, value in pairs]
+        copies = [keras.Variable(np.asarray(v.numpy()).astype(dtype or tf.as_dtype(v.dtype).as_numpy_dtype),
+                                 dtype=dtype or v.dtype, trainable=True, name=v.name) for v in built_on]
         clone.build(copies)
         made[key] = (clone, copies, [np.asarray(v.numpy()) for v in clone.variables])
-    clone, copies, fresh = made[key]
-    for copy, (_, _, value) in zip(copies, pairs):
+    clone, all_copies, fresh = made[key]
+    position = {id(v): i for i, v in enumerate(built_on)}
+    starts = {id(v): value for v, _, value in pairs}
+    for variable, copy in zip(built_on, all_copies):
+        value = starts[id(variable)] if id(variable) in starts else np.asarray(variable.numpy())
         copy.assign(value.astype(tf.as_dtype(copy.dtype).as_numpy_dtype))
+    copies = [all_copies[position[id(v)]] for v, _, _ in pairs]
     if not optimizer.built:
         for target, value in zip(clone.variables, fresh):
             target.assign(value)
@@ -120,6 +128,16 @@ def _apply_on_copies(optimizer, variables, grads, dtype=None, values=None, state
     for original, copied in zip(optimizer.variables if optimizer.built else [], clone.variables):
         slots[id(original)] = np.asarray(copied.numpy())
     return [np.asarray(c.numpy()) for c in copies], [v for v, _, _ in pairs], clone, slots
+
+
+def _built_on(optimizer, applied: list) -> list:
+    """The variables ``optimizer``'s state belongs to, in its order: those it was built on
+    if it is built and they hold every one of ``applied``; else ``applied``."""
+    own = list(getattr(optimizer, "_trainable_variables", None) or []) if optimizer.built else []
+    ids = {id(v) for v in own}
+    if own and len(ids) == len(own) and all(id(v) in ids for v in applied):
+        return own
+    return applied
 
 
 def _creation_line(optimizer, model=None) -> tuple[str | None, int | None]:
