@@ -114,7 +114,8 @@ def run_all_in_one_child(width: int, batch: int) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a smaller MLP, 1 round (a smoke test)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smaller MLP, 1 round, every variant in one process (a smoke test)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of fresh processes (default 3)")
     parser.add_argument("--json", metavar="PATH", help="also write the ratios as JSON ('auto': the default name)")
     parser.add_argument("--child", nargs=3, metavar=("VARIANT", "WIDTH", "BATCH"), help=argparse.SUPPRESS)

@@ -33,9 +33,9 @@ import book_tools  # noqa: E402
 def tf_data_without_autotuning():
     """tf.data's autotuning off by default in pytest's processes (each xdist worker's): the
     default of ``tf.data.Options().autotune.enabled`` is ``False`` for the session, and
-    every pipeline a Python iterator is made of gets its options written out (a pipeline
-    with none in its graph, as most of the tests' own, would autotune by the runtime's
-    default; one that sets it keeps its setting; the scripts that tests run in fresh
+    every ``iter(dataset)`` pipeline gets its autotuning setting written out (a pipeline
+    with no options in its graph, as most of the tests' own, would autotune by the
+    runtime's default; one that sets it keeps its setting; the scripts that tests run in fresh
     processes and the chapters' kernels keep autotuning). Both are put back at the
     session's end (an ``Options`` read meanwhile keeps ``False``: TensorFlow's getter
     stores it).
@@ -48,7 +48,7 @@ def tf_data_without_autotuning():
     was running when the collection came), 130-240 s of the two workers' time;
     test_doctor_remedies.py and test_models.py in one process took 63.0 s for 55.0 s of
     CPU with autotuning, 50.2 s for 51.3 s without. With the default alone, the pipelines
-    that tests build themselves kept autotuning: two or three stalls of 30-57 s a run
+    that tests build themselves kept autotuning: two or three stalls of 29-57 s a run
     remained (2026-12-05, the same wait in gdb), none with the options written out.
     Autotuning sets buffer sizes and parallelism only: no element, order or value changes.
     If TensorFlow's options module moves, the tests run with autotuning as it is.

@@ -406,7 +406,7 @@ def test_a_models_own_step_with_two_optimizers_rolls_back_both():
         # The doctor diagnoses each rollback's step: ``train`` builds the model's optimizer
         # on every weight, the step applies it to the body only (it once said "the
         # optimizer's state cannot be copied" and gave no cause).
-        warnings.simplefilter("error", RuntimeWarning)
+        warnings.filterwarnings("error", message="the NaN doctor could not", category=RuntimeWarning)
         history = train(model, x, y, batch_size=BATCH, epochs=4, loss="mse", optimizer=sgd(0.3),
                         on_nonfinite="rollback", shuffle=False, verbose=0)
     assert history.rollbacks and all(rollback.cause == "overflow" for rollback in history.rollbacks)
