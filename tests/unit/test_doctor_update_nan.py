@@ -318,3 +318,29 @@ def test_the_line_that_made_the_optimizer_is_found_in_an_earlier_notebook_cell()
         del linecache.cache[cell]
     assert d is not None and d.cause == "nonfinite_update"
     assert d.source == f"{cell}:3" and "epsilon=1e-8" in d.code, (d.source, d.code)
+
+
+class WithAnUnusedLayer(keras.Model):
+    """pykoi#69's model, subclassed, with a layer its call does not use: a trainable weight
+    with no gradient, on which ``compile``'s optimizer is built too."""
+
+    def __init__(self):
+        super().__init__()
+        keras.utils.set_random_seed(1)
+        self.hidden = keras.layers.Dense(8, activation="relu", dtype="float16", name="hidden")
+        self.reward = keras.layers.Dense(1, dtype="float16", name="reward")
+        self.unused = keras.layers.Dense(2, name="unused")
+        self.unused.build((None, 6))
+
+    def call(self, x):
+        return self.reward(self.hidden(x))
+
+
+def test_an_update_is_diagnosed_when_a_weight_has_no_gradient():
+    _, x, y = _pykoi_69()
+    model = WithAnUnusedLayer()
+    model.compile(keras.optimizers.Adam(learning_rate=1e-3, epsilon=1e-8), "mse")
+    model(x[:1])
+    model.optimizer.build(model.trainable_variables)  # as fit builds it: on every weight
+    d = diagnose(model, (x, y))
+    assert d is not None and d.cause == "nonfinite_update" and d.variables[0].endswith("hidden/kernel")
