@@ -6,7 +6,8 @@ spellings included). Each family of internals is a module:
 
 * :mod:`~companion._internal.variables`: variable writes while tracing (the masked
   update), a variable's initial value that restores a checkpoint;
-* :mod:`~companion._internal.optimizers`: the all-reduce inside a Keras optimizer's ``apply``;
+* :mod:`~companion._internal.optimizers`: the all-reduce inside a Keras optimizer's ``apply``,
+  the learning rate as given and the variables it was built on;
 * :mod:`~companion._internal.keras_trainer`: Keras' trainer and layers (``fit``'s frames
   and batches, its symbolic build, the compiled state, callbacks' defaults, the
   multi-step loop, the step functions fit keeps on the model);
@@ -59,7 +60,7 @@ from companion._internal.ops import (
     functional_op_writes, in_backprop, op_callback, op_determinism_enabled,
 )
 from companion._internal.optimizers import (
-    can_skip_optimizer_all_reduce, learning_rate_as_given, optimizer_all_reduce_skipped,
+    can_skip_optimizer_all_reduce, learning_rate_as_given, optimizer_all_reduce_skipped, variables_built_on,
 )
 from companion._internal.random_states import global_random_states
 from companion._internal.datasets import dataset_map_stages

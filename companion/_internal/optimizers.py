@@ -1,4 +1,4 @@
-"""Private TensorFlow/Keras APIs, one family: keras optimizers: the all-reduce inside ``apply`` that the guarded step makes once.
+"""Private TensorFlow/Keras APIs, one family: keras optimizers: the all-reduce inside ``apply`` that the guarded step makes once, the learning rate as given, the variables an optimizer was built on.
 
 Each hook says what it relies on and what happens when it is gone, and is registered
 (:func:`companion._internal.registry.hook`) with its canary tests.
@@ -91,3 +91,29 @@ def learning_rate_as_given(optimizer):
 
     rate = optimizer.get_config()["learning_rate"]
     return keras.optimizers.schedules.deserialize(rate) if isinstance(rate, dict) else rate
+
+
+# --------------------------------------------------------------------------------------
+# The variables an optimizer was built on
+# --------------------------------------------------------------------------------------
+# Relies on: Keras 3's optimizer keeping, after ``build(var_list)``, the variables it was
+# built on in ``_trainable_variables``, in ``var_list``'s order. The NaN doctor builds
+# its copy of an optimizer on copies of the same variables, so that the copy's state
+# maps one to one onto the optimizer's when a step applies it to part of them (a second
+# optimizer for the rest, or a weight that gets no gradient).
+# If gone: ``None``: the copy is built on the variables the step applies it to, and the
+# diagnosis of such a step gives up ("the optimizer's state cannot be copied").
+
+
+@hook('test_keras_optimizers_keep_the_variables_they_were_built_on')
+def variables_built_on(optimizer) -> list | None:
+    """The variables ``optimizer`` was built on, in its order (``None`` if not known)."""
+    found = getattr(optimizer, "_trainable_variables", None)
+    if found is not None:
+        return list(found)
+    warn_once(
+        "_trainable_variables",
+        f"{type(optimizer).__name__} has no _trainable_variables: the NaN doctor cannot copy its state when a "
+        "step applies it to part of the variables it was built on",
+    )
+    return None

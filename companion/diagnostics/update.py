@@ -133,7 +133,7 @@ def _apply_on_copies(optimizer, variables, grads, dtype=None, values=None, state
 def _built_on(optimizer, applied: list) -> list:
     """The variables ``optimizer``'s state belongs to, in its order: those it was built on
     if it is built and they hold every one of ``applied``; else ``applied``."""
-    own = list(getattr(optimizer, "_trainable_variables", None) or []) if optimizer.built else []
+    own = (_internal.variables_built_on(optimizer) or []) if optimizer.built else []
     ids = {id(v) for v in own}
     if own and len(ids) == len(own) and all(id(v) in ids for v in applied):
         return own

@@ -127,6 +127,16 @@ def test_keras_optimizers_keep_the_learning_rate_as_given():
     assert found is schedule
 
 
+def test_keras_optimizers_keep_the_variables_they_were_built_on():
+    first, second = keras.Variable(np.ones(3, "float32")), keras.Variable(np.ones((2, 2), "float32"))
+    optimizer = keras.optimizers.Adam()
+    optimizer.build([first, second])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", _internal.InternalAPIWarning)
+        built_on = _internal.variables_built_on(optimizer)
+    assert len(built_on) == 2 and built_on[0] is first and built_on[1] is second
+
+
 def test_keras_layers_flatten_nested_layers():
     inner = keras.Sequential([keras.layers.Dense(2)])
     model = keras.Sequential([keras.Input((3,)), inner, keras.layers.Dense(1)])
