@@ -103,8 +103,8 @@ def run_child(script: str, *args: str, what: str, env: dict | None = None,
     A fresh process per measurement starts with no traced functions, no compiled kernels
     and an empty allocator, so that no run inherits another's state (and a measurement of
     memory sees only its own). The benchmark's ``--child`` mode does one measurement (in a
-    ``--quick`` run of ``scale.py`` or ``update_peak.py``, several) and prints it as one
-    JSON object on a line of its own; other lines are passed over.
+    ``--quick`` run of ``scale.py``, ``recovery.py`` or ``update_peak.py``, several) and
+    prints it as one JSON object on a line of its own; other lines are passed over.
 
     Args:
         script: the benchmark's file (its ``__file__``).

@@ -29,8 +29,8 @@ of the state it restores: extra memory <= 1 x the state's bytes. Run with::
     python benchmarks/recovery.py [--quick] [--rounds N] [--models NAME,...] [--json PATH]
 
 ``--json auto`` writes into ``companion/book/benchmark_results/`` under the default name.
-``--quick`` (the smaller MLP, 1 round, a few batches an epoch: 2 processes) only checks
-that the benchmark runs: its numbers are not the full run's. The full run (2 models, 5
+``--quick`` (the smaller MLP, 1 round, a few batches an epoch: both variants in one
+process) only checks that the benchmark runs: its numbers are not the full run's. The full run (2 models, 5
 rounds, 20 processes) takes about 6 minutes on 2 cores.
 """
 
@@ -124,16 +124,37 @@ def run_child(name: str, variant: str, epochs: int, batches: int) -> dict:
     )
 
 
-def measure(name: str, batches: int, rounds: int) -> dict:
-    """{variant: [per-round {"steady", "cpu_steady", "growth_mib", "epoch_seconds"}]} and the state's size."""
+def run_all_in_one_child(name: str, order: tuple[str, ...], batches: int) -> list[dict]:
+    """--quick: every variant in one fresh process, each on a fresh model, in ``order`` (a
+    run's memory is not its own: an earlier run's peak hides it)."""
+    found = run_child_process(__file__, name, ",".join(order), str(EPOCHS), str(batches),
+                              what=f"{name}, {', '.join(order)}, {EPOCHS} epochs")
+    for run in found["variants"]:
+        if not run["completed"]:
+            raise RuntimeError(f"the run of {name}, {run['variant']} skipped or rolled back a step, or did not end "
+                               "all its epochs with a finite loss: it is not the clean run measured here")
+    return found["variants"]
+
+
+def measure(name: str, batches: int, rounds: int, one_process: bool = False) -> dict:
+    """{variant: [per-round {"steady", "cpu_steady", "growth_mib", "epoch_seconds"}]} and the state's size.
+
+    ``one_process`` (--quick): every variant in one process."""
     runs = {variant: [] for variant in VARIANTS}
     size = None
     for r in range(rounds):
         order = VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)]
-        for variant in order:
-            print(f"  {name}, round {r + 1}/{rounds}: {NAMES[variant]}, {EPOCHS} epochs of {batches} batches",
-                  file=sys.stderr, flush=True)
-            run = run_child(name, variant, EPOCHS, batches)
+        if one_process:
+            print(f"  {name}: {', '.join(NAMES[v] for v in order)}, {EPOCHS} epochs of {batches} batches in one "
+                  "process", file=sys.stderr, flush=True)
+            found = run_all_in_one_child(name, order, batches)
+        else:
+            found = []
+            for variant in order:
+                print(f"  {name}, round {r + 1}/{rounds}: {NAMES[variant]}, {EPOCHS} epochs of {batches} batches",
+                      file=sys.stderr, flush=True)
+                found.append(run_child(name, variant, EPOCHS, batches))
+        for variant, run in zip(order, found):
             size = size or {"params": run["params"], "state_bytes": run["state_bytes"]}
             runs[variant].append({key: run[key] for key in ("steady", "cpu_steady", "growth_mib", "epoch_seconds")})
     return {"runs": runs, **size, "batches": batches}
@@ -168,11 +189,12 @@ def main(argv=None) -> int:
     parser.add_argument("--models", help=f"comma-separated, of {', '.join(MODELS)} (default: all)")
     parser.add_argument("--batches", type=int, help="batches per epoch for every model (default: each model's own)")
     parser.add_argument("--json", metavar="PATH", help="also write the ratios as JSON ('auto': the default name)")
-    parser.add_argument("--child", nargs=4, metavar=("MODEL", "VARIANT", "EPOCHS", "BATCHES"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=4, metavar=("MODEL", "VARIANTS", "EPOCHS", "BATCHES"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        name, variant, epochs, batches = args.child
-        print(json.dumps(child(name, variant, int(epochs), int(batches))), flush=True)
+        name, variants, epochs, batches = args.child
+        found = [child(name, variant, int(epochs), int(batches)) for variant in variants.split(",")]
+        print(json.dumps(found[0] if len(found) == 1 else {"variants": found}), flush=True)
         return 0
 
     names = args.models.split(",") if args.models else list(QUICK_BATCHES if args.quick else MODELS)
@@ -180,13 +202,15 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"unknown models {unknown}; there are {list(MODELS)}")
     rounds = 1 if args.quick else args.rounds
-    print(f"{rounds} round{'s' * (rounds > 1)}, every run a fresh process and a fresh model; batch {BATCH}, "
+    where = ("--quick: every run in one process, on a fresh model" if args.quick
+             else "every run a fresh process and a fresh model")
+    print(f"{rounds} round{'s' * (rounds > 1)}, {where}; batch {BATCH}, "
           f"steady time per epoch = the median of epochs 1 to {EPOCHS - 1}'s", flush=True)
     results, rows = {}, []
     started = time.perf_counter()
     for name in names:
         batches = args.batches or (QUICK_BATCHES.get(name, 4) if args.quick else MODELS[name][1])
-        results[name] = measure(name, batches, rounds)
+        results[name] = measure(name, batches, rounds, one_process=args.quick)
         model_rows = summarise(name, results[name])
         rows += model_rows
         print(f"\n{name}: {MODELS[name][0]}, {results[name]['params'] / 1e6:.2f} M weights, state "

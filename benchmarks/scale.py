@@ -29,9 +29,10 @@ of its own). Run with::
     python benchmarks/scale.py [--quick] [--rounds N] [--models NAME,...] [--json PATH]
 
 ``--json auto`` writes into ``companion/book/benchmark_results/`` under the default name.
-``--quick`` (the small CNN, 1 round, 16 batches an epoch: 4 processes, each running both
-lengths on fresh models, under a minute) only checks that the benchmark runs: its numbers
-are not the full run's (a second run's peak memory is not its own). The full run
+``--quick`` (the small CNN, 1 round, 16 batches an epoch: one process running every
+variant and both lengths, each on a fresh model, in about 20 seconds) only checks that
+the benchmark runs: its numbers are not the full run's (a run's peak memory is hidden by
+the peaks of the runs before it in the process). The full run
 (5 models, 3 rounds, 120 processes) takes about 25 minutes on 2 cores; ``--models`` picks
 models, ``--batches`` sets every model's batches per epoch.
 """
@@ -196,56 +197,84 @@ def run_child(name: str, variant: str, epochs: int, batches: int) -> dict:
     )
 
 
-def run_both_in_one_child(name: str, variant: str, batches: int) -> dict:
-    """--quick: both lengths in one fresh process, each on a fresh model ({epochs: result}).
-    Half the processes of a measurement; the second run's memory is not its own."""
-    both = run_child_process(__file__, name, variant, ",".join(map(str, EPOCHS)), str(batches),
-                             what=f"{name}, {variant}, {' and '.join(map(str, EPOCHS))} epochs")
-    for result in both["lengths"]:
+def run_all_in_one_child(name: str, batches: int, order: tuple[str, ...]) -> dict:
+    """--quick: every variant and both lengths in one fresh process, each run on a fresh
+    model ({variant: {epochs: result}}). One process instead of eight; a run's memory is
+    not its own (the peak of an earlier run in the process hides it)."""
+    found = run_child_process(__file__, name, ",".join(order), ",".join(map(str, EPOCHS)), str(batches),
+                              what=f"{name}, {', '.join(order)}, {' and '.join(map(str, EPOCHS))} epochs")
+    timed: dict = {}
+    for result in found["lengths"]:
         if not result["completed"]:
-            raise RuntimeError(f"the run of {name}, {variant}, {result['epochs']} epochs did not end all its "
-                               "epochs with a finite loss: its time is not a steady epoch's")
-    return {result["epochs"]: result for result in both["lengths"]}
+            raise RuntimeError(f"the run of {name}, {result['variant']}, {result['epochs']} epochs did not end all "
+                               "its epochs with a finite loss: its time is not a steady epoch's")
+        timed.setdefault(result["variant"], {})[result["epochs"]] = result
+    return timed
+
+
+def _longer(timed: dict) -> bool:
+    """Whether the run of more epochs took longer, in wall and in CPU time."""
+    short, long = timed[EPOCHS[0]], timed[EPOCHS[1]]
+    return long["seconds"] > short["seconds"] and long["cpu_seconds"] > short["cpu_seconds"]
+
+
+def _row(timed: dict) -> dict:
+    short, long = timed[EPOCHS[0]], timed[EPOCHS[1]]
+    span = EPOCHS[1] - EPOCHS[0]
+    return {
+        "t1": short["seconds"], "t5": long["seconds"],
+        "steady": (long["seconds"] - short["seconds"]) / span,
+        "cpu_steady": (long["cpu_seconds"] - short["cpu_seconds"]) / span,
+        "growth_mib": long["growth_mib"], "growth_mib_1_epoch": short["growth_mib"],
+    }
 
 
 def measure(name: str, batches: int, rounds: int, retries: int = RETRIES, one_process: bool = False) -> dict:
     """{variant: [per-round {"t1", "t5", "steady", "cpu_steady", "growth_mib"}]} and the model's size.
 
-    ``one_process`` (--quick): both lengths of a variant in one process."""
+    ``one_process`` (--quick): every variant and both lengths in one process."""
     runs = {variant: [] for variant in VARIANTS}
     size = None
     for r in range(rounds):
         order = VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)]
+        if one_process:
+            for attempt in range(retries + 1):
+                again = f" (again: {attempt + 1})" if attempt else ""
+                print(f"  {name}: {', '.join(NAMES[v] for v in order)}, {' and '.join(map(str, EPOCHS))} epochs of "
+                      f"{batches} batches in one process{again}", file=sys.stderr, flush=True)
+                every = run_all_in_one_child(name, batches, order)
+                if all(_longer(every[variant]) for variant in order):
+                    break
+                print(f"  {name}: a run of {EPOCHS[1]} epochs was not the longer: measured again", file=sys.stderr,
+                      flush=True)
+            else:
+                raise RuntimeError(f"{name}: {EPOCHS[1]} epochs never took longer than {EPOCHS[0]} for every "
+                                   "variant: give it more batches (--batches)")
+            for variant in order:
+                runs[variant].append(_row(every[variant]))
+            long = every[order[0]][EPOCHS[1]]
+            size = size or {"params": long["params"], "weights_bytes": long["weights_bytes"]}
+            continue
         for variant in order:
             for attempt in range(retries + 1):
                 again = f" (again: {attempt + 1})" if attempt else ""
-                if one_process:
-                    print(f"  {name}: {NAMES[variant]}, {' and '.join(map(str, EPOCHS))} epochs of {batches} "
-                          f"batches in one process{again}", file=sys.stderr, flush=True)
-                    timed = run_both_in_one_child(name, variant, batches)
-                else:
-                    timed = {}
-                    # Which length runs first alternates too (a slow spell of the machine hits both).
-                    for epochs in (EPOCHS if (r + VARIANTS.index(variant)) % 2 == 0 else EPOCHS[::-1]):
-                        print(f"  {name}, round {r + 1}/{rounds}: {NAMES[variant]}, {epochs} "
-                              f"epoch{'s' * (epochs > 1)} of {batches} batches{again}", file=sys.stderr, flush=True)
-                        timed[epochs] = run_child(name, variant, epochs, batches)
-                short, long = timed[EPOCHS[0]], timed[EPOCHS[1]]
-                if long["seconds"] > short["seconds"] and long["cpu_seconds"] > short["cpu_seconds"]:
+                timed = {}
+                # Which length runs first alternates too (a slow spell of the machine hits both).
+                for epochs in (EPOCHS if (r + VARIANTS.index(variant)) % 2 == 0 else EPOCHS[::-1]):
+                    print(f"  {name}, round {r + 1}/{rounds}: {NAMES[variant]}, {epochs} "
+                          f"epoch{'s' * (epochs > 1)} of {batches} batches{again}", file=sys.stderr, flush=True)
+                    timed[epochs] = run_child(name, variant, epochs, batches)
+                if _longer(timed):
                     break
-                print(f"  {name}, {NAMES[variant]}: {EPOCHS[1]} epochs took {long['seconds']:.2f} s, {EPOCHS[0]} took "
-                      f"{short['seconds']:.2f} s: measured again", file=sys.stderr, flush=True)
+                print(f"  {name}, {NAMES[variant]}: {EPOCHS[1]} epochs took {timed[EPOCHS[1]]['seconds']:.2f} s, "
+                      f"{EPOCHS[0]} took {timed[EPOCHS[0]]['seconds']:.2f} s: measured again", file=sys.stderr,
+                      flush=True)
             else:
                 raise RuntimeError(f"{name}, {NAMES[variant]}: {EPOCHS[1]} epochs never took longer than "
                                    f"{EPOCHS[0]}: give it more batches (--batches)")
-            span = EPOCHS[1] - EPOCHS[0]
+            long = timed[EPOCHS[1]]
             size = size or {"params": long["params"], "weights_bytes": long["weights_bytes"]}
-            runs[variant].append({
-                "t1": short["seconds"], "t5": long["seconds"],
-                "steady": (long["seconds"] - short["seconds"]) / span,
-                "cpu_steady": (long["cpu_seconds"] - short["cpu_seconds"]) / span,
-                "growth_mib": long["growth_mib"], "growth_mib_1_epoch": short["growth_mib"],
-            })
+            runs[variant].append(_row(timed))
     return {"runs": runs, **size, "batches": batches}
 
 
@@ -309,11 +338,12 @@ def main(argv=None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the ratios as JSON ('auto': the default name)")
     parser.add_argument("--allow-load", action="store_true",
                         help=f"measure even if the load average is over {MAX_LOAD} (the results say so)")
-    parser.add_argument("--child", nargs=4, metavar=("MODEL", "VARIANT", "EPOCHS", "BATCHES"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=4, metavar=("MODEL", "VARIANTS", "EPOCHS", "BATCHES"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        name, variant, epochs, batches = args.child
-        lengths = [child(name, variant, int(e), int(batches)) for e in epochs.split(",")]
+        name, variants, epochs, batches = args.child
+        lengths = [child(name, variant, int(e), int(batches)) for variant in variants.split(",")
+                   for e in epochs.split(",")]
         print(json.dumps(lengths[0] if len(lengths) == 1 else {"lengths": lengths}), flush=True)
         return 0
 
@@ -328,7 +358,9 @@ def main(argv=None) -> int:
         print(f"the machine is busy (load average {load:.1f} over the last minute, more than {MAX_LOAD}): "
               f"measure on a quiet machine, or pass --allow-load", file=sys.stderr)
         return 2
-    print(f"{rounds} round{'s' * (rounds > 1)}, every run a fresh process and a fresh model; batch {BATCH}, "
+    where = ("--quick: every run in one process, on a fresh model" if args.quick
+             else "every run a fresh process and a fresh model")
+    print(f"{rounds} round{'s' * (rounds > 1)}, {where}; batch {BATCH}, "
           f"steady time per epoch = (T({EPOCHS[1]} epochs) - T({EPOCHS[0]})) / {EPOCHS[1] - EPOCHS[0]}", flush=True)
     results, rows = {}, []
     started = time.perf_counter()
