@@ -47,9 +47,11 @@ class NaNDoctor(keras.callbacks.Callback):
     :class:`keras.callbacks.TerminateOnNaN`. For a divergence, the remedy (a learning
     rate ten times smaller, or ``clipnorm=1.0``) is verified by re-running ``fit``'s
     steps from its start with it, after a control re-run without it that must fail as
-    ``fit`` did. For that re-run the state at ``fit``'s start is kept: on its device for
-    a state of up to 16 MiB (which is also kept at every epoch's start), else once, in a
-    temporary file. When ``fit`` shuffles arrays or reads a ``tf.data`` pipeline, the
+    ``fit`` did. For that re-run one copy of the state is kept, never on an accelerator:
+    in host memory for a state of up to 16 MiB, else in a temporary file. It is the
+    state at ``fit``'s start; a small state is replaced by the epoch's start once a
+    re-run from ``fit``'s start could not reach the epoch's steps (a large one is kept
+    once). When ``fit`` shuffles arrays or reads a ``tf.data`` pipeline, the
     batches it trained on are kept too, up to a quarter of the weights' bytes (at least
     4 MiB, at most 64 MiB); beyond that, or beyond 500 steps, only the epoch's are kept
     and the re-run starts at the epoch's start (if its state was kept), then only the
@@ -220,20 +222,43 @@ class NaNDoctor(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None) -> None:
         self._epoch = epoch
         self._epoch_first = self._steps
+        last = self._epoch_steps[-1] if self._epoch_steps else 0
         self._epoch_steps.append(0)
         if self._done:
             return
         try:
-            # A small state is kept at every epoch's start too (a re-run from fit's start
-            # of more than MAX_STEPS steps would take too long).
-            self._epoch_start = self._start if epoch == 0 or self._start is None else (
-                _KeptState(self._start.variables, on_disk=False) if self._start.small else None)
+            # One state is kept at a time: fit's start while a re-run from there can reach
+            # every step of this epoch (judged by the last epoch's), else, for a small
+            # state, this epoch's start (fit's is dropped first: never two copies).
+            if epoch == 0:
+                self._epoch_start = self._start
+            elif self._start is not None and (self._start.on_disk or self._reaches_this_epoch(last)):
+                self._epoch_start = None  # fit's start serves (a large state is kept once, on disk)
+            else:
+                self._start = self._epoch_start = None
+                variables = _watched(self.model)
+                if sum(_nbytes(v) for v in variables) <= KEPT_IN_MEMORY_BYTES:
+                    self._epoch_start = _KeptState(variables, on_disk=False)
         except Exception as error:  # pragma: no cover - the doctor never ends a run
-            self._epoch_start = None
+            self._start = self._epoch_start = None
             self._warn("could not keep the state at the epoch's start", error)
         if self._steps > MAX_STEPS or self._tapped_bytes > self._max_kept_bytes():
             # fit's batches from its start would be too many to keep (or to re-run): this epoch's only
             self._forget(self._steps)
+
+    def _reaches_this_epoch(self, last: int) -> bool:
+        """Whether a re-run from fit's start can reach every step of an epoch as long as the
+        last one: no more than MAX_STEPS steps, and (fit shuffled) every batch from fit's
+        start still kept, with room for this epoch's."""
+        if self._steps + last > MAX_STEPS:
+            return False
+        if not self._shuffled:
+            return True
+        with self._lock:
+            kept, size = len(self._tapped), self._tapped_bytes
+            from_start = 0 in self._tapped or self._produced == 0
+        per_step = size / kept if kept else 0
+        return from_start and size + per_step * last <= self._max_kept_bytes()
 
     def _max_kept_bytes(self) -> int:
         """The most bytes of fit's batches kept: a quarter of the weights' bytes, at least
@@ -360,12 +385,13 @@ class NaNDoctor(keras.callbacks.Callback):
 
     def _steps_to(self, data, kwargs, index: int) -> Steps | None:
         """fit's steps from the earliest state kept to step ``index``, with their batches."""
-        if self._start is None:
+        kept = self._start or self._epoch_start
+        if kept is None:
             return None
-        variables = self._start.variables
+        variables = kept.variables
         if self._shuffled:
             first, start = 0, self._start
-            if any(self._tapped.get(i) is None for i in range(index + 1)):  # only this epoch's are kept
+            if start is None or any(self._tapped.get(i) is None for i in range(index + 1)):  # only this epoch's
                 first, start = self._epoch_first, self._epoch_start
             known = [self._tapped.get(i) for i in range(first, index + 1)]
             if start is None or any(b is None for b in known):
@@ -385,7 +411,7 @@ class NaNDoctor(keras.callbacks.Callback):
         else:  # a generator: reading it again would take batches from fit
             return None
         origin, start, counts = "the start of fit", self._start, list(self._epoch_steps)
-        if index + 1 > MAX_STEPS:  # too long a re-run: from the epoch, if its start was kept
+        if index + 1 > MAX_STEPS or start is None:  # too long a re-run: from the epoch, if its start was kept
             origin, start, counts = f"the start of epoch {self._epoch}", self._epoch_start, counts[-1:]
         if start is None:
             return None
@@ -435,19 +461,20 @@ def _nbytes(variable) -> int:
     return count * tf.as_dtype(variable.dtype).size
 
 
-#: A state of at most this many bytes is kept on its device (and at every epoch's start);
-#: a larger one once, at fit's start, in a temporary file.
-KEPT_ON_DEVICE_BYTES = 16 * 2**20
+#: A state of at most this many bytes is kept in host memory (fit's start, or an epoch's);
+#: a larger one once, at fit's start, in a temporary file. Never on the device: the
+#: accelerator's memory holds no copy of the model.
+KEPT_IN_MEMORY_BYTES = 16 * 2**20
 
 
 class _KeptState:
-    """The values of ``variables`` at one moment: on their device if small, else on disk."""
+    """The values of ``variables`` at one moment: in host memory if small, else on disk."""
 
     def __init__(self, variables, on_disk: bool | None = None) -> None:
         self.variables = list(variables)
-        self.small = sum(_nbytes(v) for v in self.variables) <= KEPT_ON_DEVICE_BYTES
         if on_disk is None:
-            on_disk = not self.small
+            on_disk = sum(_nbytes(v) for v in self.variables) > KEPT_IN_MEMORY_BYTES
+        self.on_disk = bool(on_disk)
         self._folder = None
         self._values = None
         if on_disk:
@@ -455,7 +482,7 @@ class _KeptState:
             for i, v in enumerate(self.variables):
                 np.save(os.path.join(self._folder.name, f"{i}.npy"), np.asarray(tf.convert_to_tensor(v)))
         else:
-            self._values = [tf.raw_ops.DeepCopy(x=tf.convert_to_tensor(v)) for v in self.variables]
+            self._values = [np.array(v.numpy()) for v in self.variables]  # a copy of its own, on the host
 
     def values(self) -> list:
         if self._values is not None:

@@ -19,10 +19,12 @@ right shapes and a model shrunk to keep the test fast:
 
 from __future__ import annotations
 
+import gc
 import inspect
 import json
 import pathlib
 import warnings
+import weakref
 
 import keras
 import numpy as np
@@ -753,6 +755,49 @@ def test_the_doctor_never_raises_into_fit_when_a_divergence_check_fails(monkeypa
     assert doctor.diagnosis.verified == ("not verified: the re-run of fit's steps failed "
                                          "(RuntimeError: the re-run broke)")
     assert doctor.diagnosis.remedy.startswith("recompile with a learning rate ten times smaller")
+
+
+def _kept_states(monkeypatch) -> tuple[list, list[int]]:
+    """The states the doctor keeps (every _KeptState made), and after every epoch's start
+    how many of them are alive."""
+    made, live, counts = [], weakref.WeakSet(), []
+    init = callback_module._KeptState.__init__
+
+    def recorded(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(weakref.ref(self))
+        live.add(self)
+
+    begin = callback_module.NaNDoctor.on_epoch_begin
+
+    def counted(self, epoch, logs=None):
+        begin(self, epoch, logs)
+        gc.collect()
+        counts.append(len(live))
+
+    monkeypatch.setattr(callback_module._KeptState, "__init__", recorded)
+    monkeypatch.setattr(callback_module.NaNDoctor, "on_epoch_begin", counted)
+    return made, counts
+
+
+@pytest.mark.parametrize("max_steps, origin", [(500, "the 7 steps from the start of fit"),
+                                               (5, "the 3 steps from the start of epoch 1")])
+def test_the_doctor_keeps_one_copy_of_the_state_on_the_host(monkeypatch, max_steps, origin):
+    # fit's start while a re-run from there reaches the epoch's steps; past MAX_STEPS the
+    # epoch's start instead, fit's dropped before it is made: never two copies.
+    monkeypatch.setattr(callback_module, "MAX_STEPS", max_steps)
+    made, counts = _kept_states(monkeypatch)
+    values = []
+    monkeypatch.setattr(callback_module._KeptState, "values",
+                        lambda self, values_of=callback_module._KeptState.values: values.extend(values_of(self))
+                        or values_of(self))
+    model, x, y = regression(5e-3)
+    doctor, _ = fit_with_doctor(model, x, y)
+    assert doctor.batch == (1, 2) and counts == [1, 1]  # fit's 4 steps an epoch; the NaN in epoch 1
+    assert len(made) == (1 if max_steps == 500 else 2)
+    assert values and all(isinstance(value, np.ndarray) for value in values)  # on the host
+    assert f"({origin} to the failing one re-run with it" in doctor.diagnosis.verified
+    assert doctor.diagnosis.verified.startswith("verified: ")
 
 
 def test_fit_with_shuffle_keeps_only_the_batches_it_can_re_run_and_says_from_where(monkeypatch):
