@@ -46,12 +46,15 @@ class NaNDoctor(keras.callbacks.Callback):
     printed and, by default, training stops, like
     :class:`keras.callbacks.TerminateOnNaN`. For a divergence, the remedy (a learning
     rate ten times smaller, or ``clipnorm=1.0``) is verified by re-running ``fit``'s
-    steps from its start with it, after a control re-run without it that must fail as
-    ``fit`` did. For that re-run one copy of the state is kept, never on an accelerator:
-    in host memory for a state of up to 16 MiB, else in a temporary file. It is the
-    state at ``fit``'s start; a small state is replaced by the epoch's start once a
-    re-run from ``fit``'s start could not reach the epoch's steps (a large one is kept
-    once). When ``fit`` shuffles arrays or reads a ``tf.data`` pipeline, the
+    steps with it, from a kept state to the failing step, after a control re-run
+    without it that must fail as ``fit`` did. For that re-run one copy of the state is
+    kept, never on an accelerator: in host memory for a state of up to 16 MiB, else in
+    a temporary file. It is the state at ``fit``'s start while a re-run from there can
+    reach every step of the epoch that begins (judged by the last epoch's length: at
+    most 500 steps in all and, for shuffled data, all their batches kept, below); from
+    the first epoch where it cannot, a small state is replaced at each epoch's start by
+    the state then, and the re-run starts there (a large state stays ``fit``'s start,
+    kept once). When ``fit`` shuffles arrays or reads a ``tf.data`` pipeline, the
     batches it trained on are kept too, up to a quarter of the weights' bytes (at least
     4 MiB, at most 64 MiB); beyond that, or beyond 500 steps, only the epoch's are kept
     and the re-run starts at the epoch's start (if its state was kept), then only the
@@ -230,7 +233,7 @@ class NaNDoctor(keras.callbacks.Callback):
             # One state is kept at a time: fit's start while a re-run from there can reach
             # every step of this epoch (judged by the last epoch's), else, for a small
             # state, this epoch's start (fit's is dropped first: never two copies).
-            if epoch == 0:
+            if len(self._epoch_steps) == 1:  # fit's first epoch (epoch 0, or fit's initial_epoch)
                 self._epoch_start = self._start
             elif self._start is not None and (self._start.on_disk or self._reaches_this_epoch(last)):
                 self._epoch_start = None  # fit's start serves (a large state is kept once, on disk)
@@ -242,8 +245,9 @@ class NaNDoctor(keras.callbacks.Callback):
         except Exception as error:  # pragma: no cover - the doctor never ends a run
             self._start = self._epoch_start = None
             self._warn("could not keep the state at the epoch's start", error)
-        if self._steps > MAX_STEPS or self._tapped_bytes > self._max_kept_bytes():
-            # fit's batches from its start would be too many to keep (or to re-run): this epoch's only
+        if self._start is None or self._steps > MAX_STEPS or self._tapped_bytes > self._max_kept_bytes():
+            # fit's batches from its start would be too many to keep (or to re-run), or no
+            # re-run starts there any more: this epoch's only
             self._forget(self._steps)
 
     def _reaches_this_epoch(self, last: int) -> bool:

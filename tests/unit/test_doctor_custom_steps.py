@@ -781,10 +781,13 @@ def _kept_states(monkeypatch) -> tuple[list, list[int]]:
 
 
 @pytest.mark.parametrize("max_steps, origin", [(500, "the 7 steps from the start of fit"),
-                                               (5, "the 3 steps from the start of epoch 1")])
+                                               (5, "the 3 steps from the start of epoch 1"),
+                                               (7, "the 3 steps from the start of epoch 1")])
 def test_the_doctor_keeps_one_copy_of_the_state_on_the_host(monkeypatch, max_steps, origin):
     # fit's start while a re-run from there reaches the epoch's steps; past MAX_STEPS the
-    # epoch's start instead, fit's dropped before it is made: never two copies.
+    # epoch's start instead, fit's dropped before it is made: never two copies. With 7,
+    # fit's 7 steps to the failing one could be re-run, but an epoch as long as the first
+    # would pass MAX_STEPS: fit's start is dropped at epoch 1's start all the same.
     monkeypatch.setattr(callback_module, "MAX_STEPS", max_steps)
     made, counts = _kept_states(monkeypatch)
     values = []
@@ -797,6 +800,21 @@ def test_the_doctor_keeps_one_copy_of_the_state_on_the_host(monkeypatch, max_ste
     assert len(made) == (1 if max_steps == 500 else 2)
     assert values and all(isinstance(value, np.ndarray) for value in values)  # on the host
     assert f"({origin} to the failing one re-run with it" in doctor.diagnosis.verified
+    assert doctor.diagnosis.verified.startswith("verified: ")
+
+
+def test_shuffled_batches_past_the_budget_the_doctor_re_runs_from_the_epoch_with_its_batches(monkeypatch):
+    # fit's batches (768 bytes an epoch) kept up to 1152 bytes: epoch 1's would not fit
+    # beside epoch 0's, so fit's start is dropped at epoch 1's start, and epoch 0's
+    # batches with it (kept, they would push epoch 1's own out before its failing step).
+    model, x, y = regression(5e-3)
+    budget = (x.nbytes + y.nbytes) * 3 // 2
+    monkeypatch.setattr(callback_module.NaNDoctor, "_max_kept_bytes", lambda self: budget)
+    made, counts = _kept_states(monkeypatch)
+    doctor, _ = fit_with_doctor(model, x, y, shuffle=True)
+    assert doctor.batch == (1, 2) and counts == [1, 1] and len(made) == 2
+    assert "the 3 steps from the start of epoch 1 (fit shuffled the rows; the doctor kept this epoch's " \
+           "batches) to the failing one re-run with it" in doctor.diagnosis.verified
     assert doctor.diagnosis.verified.startswith("verified: ")
 
 
