@@ -30,8 +30,9 @@ of the state it restores: extra memory <= 1 x the state's bytes. Run with::
 
 ``--json auto`` writes into ``companion/book/benchmark_results/`` under the default name.
 ``--quick`` (the smaller MLP, 1 round, a few batches an epoch: both variants in one
-process) only checks that the benchmark runs: its numbers are not the full run's. The full run (2 models, 5
-rounds, 20 processes) takes about 6 minutes on 2 cores.
+process, each on a fresh model) only checks that the benchmark runs: its numbers are not
+the full run's (``recover``'s peak memory is hidden by ``train``'s before it in the
+process). The full run (2 models, 5 rounds, 20 processes) takes about 6 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -202,7 +203,8 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"unknown models {unknown}; there are {list(MODELS)}")
     rounds = 1 if args.quick else args.rounds
-    where = ("--quick: every run in one process, on a fresh model" if args.quick
+    where = ("--quick: every run in one process, each on a fresh model (a smoke run: not the full run's numbers)"
+             if args.quick
              else "every run a fresh process and a fresh model")
     print(f"{rounds} round{'s' * (rounds > 1)}, {where}; batch {BATCH}, "
           f"steady time per epoch = the median of epochs 1 to {EPOCHS - 1}'s", flush=True)

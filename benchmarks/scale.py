@@ -30,11 +30,11 @@ of its own). Run with::
 
 ``--json auto`` writes into ``companion/book/benchmark_results/`` under the default name.
 ``--quick`` (the small CNN, 1 round, 16 batches an epoch: one process running every
-variant and both lengths, each on a fresh model, in about 20 seconds) only checks that
+variant and both lengths, each on a fresh model, in 20 to 30 seconds) only checks that
 the benchmark runs: its numbers are not the full run's (a run's peak memory is hidden by
-the peaks of the runs before it in the process). The full run
-(5 models, 3 rounds, 120 processes) takes about 25 minutes on 2 cores; ``--models`` picks
-models, ``--batches`` sets every model's batches per epoch.
+the peaks of the runs before it in the process). The full run (5 models, 3 rounds, 120
+processes) takes about 25 minutes on 2 cores; ``--models`` picks models, ``--batches``
+sets every model's batches per epoch.
 """
 
 from __future__ import annotations
@@ -199,8 +199,8 @@ def run_child(name: str, variant: str, epochs: int, batches: int) -> dict:
 
 def run_all_in_one_child(name: str, batches: int, order: tuple[str, ...]) -> dict:
     """--quick: every variant and both lengths in one fresh process, each run on a fresh
-    model ({variant: {epochs: result}}). One process instead of eight; a run's memory is
-    not its own (the peak of an earlier run in the process hides it)."""
+    model ({variant: {epochs: result}}). One process instead of a full round's eight; a
+    run's memory is not its own (the peak of an earlier run in the process hides it)."""
     found = run_child_process(__file__, name, ",".join(order), ",".join(map(str, EPOCHS)), str(batches),
                               what=f"{name}, {', '.join(order)}, {' and '.join(map(str, EPOCHS))} epochs")
     timed: dict = {}
@@ -358,7 +358,8 @@ def main(argv=None) -> int:
         print(f"the machine is busy (load average {load:.1f} over the last minute, more than {MAX_LOAD}): "
               f"measure on a quiet machine, or pass --allow-load", file=sys.stderr)
         return 2
-    where = ("--quick: every run in one process, on a fresh model" if args.quick
+    where = ("--quick: every run in one process, each on a fresh model (a smoke run: not the full run's numbers)"
+             if args.quick
              else "every run a fresh process and a fresh model")
     print(f"{rounds} round{'s' * (rounds > 1)}, {where}; batch {BATCH}, "
           f"steady time per epoch = (T({EPOCHS[1]} epochs) - T({EPOCHS[0]})) / {EPOCHS[1] - EPOCHS[0]}", flush=True)
