@@ -38,11 +38,14 @@ PRINTED_RATIOS = {
     "recovery.py": (r"ratio (-?\d+\.\d+) \(quartiles", 2),
     # 3 variants' peak over the plain update's, per byte of weights
     "update_peak.py": (r"ratio (-?\d+\.\d+) \(quartiles", 3),
+    # 1 model x 3 variants' allocator peak over fit's, per byte of weights
+    "device_memory.py": (r"ratio (-?\d+\.\d+) \(quartiles", 3),
 }
 
 #: Benchmarks some of whose ratios are differences, 0 or below when there is no cost:
-#: scale.py's extra memory over fit's, per byte of weights; recovery.py's over train()'s.
-SIGNED = {"scale.py", "recovery.py", "update_peak.py"}
+#: scale.py's and device_memory.py's extra memory over fit's, per byte of weights;
+#: recovery.py's over train()'s.
+SIGNED = {"scale.py", "recovery.py", "update_peak.py", "device_memory.py"}
 
 
 def test_every_benchmark_script_is_covered():

@@ -1,0 +1,197 @@
+"""What would ``train``, the NaN doctor and ``SkipNonFinite`` hold in an accelerator's memory?
+
+``benchmarks/scale.py`` measures memory as the growth of the process's peak resident set,
+which on a CPU counts everything the process holds: the tensors, and the host's own costs
+(the traced graphs and their optimisation, Python's objects, the C library's per-thread
+memory pools, and what the doctor keeps on the host: a small state's copy). On a GPU only
+the tensors are in the accelerator's memory, which is where a model stops fitting. This
+script measures them apart: the peak of TensorFlow's own allocator over the whole call
+(``TF_CPU_ALLOCATOR_USE_BFC=true``, so that the CPU allocator keeps count of its peak, as
+in ``benchmarks/update_peak.py``), for scale.py's models and variants (its batches, 2
+epochs), each run a fresh process and a fresh model. On this CPU the allocator also holds
+what a GPU run keeps in host memory: the input pipeline's batches (the doctor's kept
+batches among them); the figures are for the tensors, not for a particular GPU.
+
+A variant's extra is its peak growth minus ``fit``'s in the same round, as a multiple of
+the weights' bytes; each ratio is the median over rounds (the variants alternate in a
+round, the order rotating from round to round), with its quartiles. Targets: scale.py's
+memory targets (issue 41) read for the accelerator's memory: ``train`` and
+``SkipNonFinite`` <= 0.25 x the weights' bytes, ``NaNDoctor`` <= 1 x. Run with::
+
+    python benchmarks/device_memory.py [--quick] [--rounds N] [--models NAME,...] [--json PATH]
+
+``--json auto`` writes into ``companion/book/benchmark_results/`` under the default name.
+``--quick`` (the small CNN, 1 round, 8 batches an epoch, every variant in one process,
+the allocator's peak reset between runs) only checks that the script runs: its numbers
+are not the full run's. The full run (5 models, 3 rounds, 60 processes) takes about 12
+minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from _results import quartiles, verdict  # noqa: E402
+from _results import run_child as run_child_process  # noqa: E402
+from scale import BATCH, MEMORY_TARGETS, MODELS, NAMES, VARIANTS, build, make_data  # noqa: E402
+
+EPOCHS = 2
+QUICK_BATCHES = {"cnn-bn": 8}
+#: The allocator keeps count of its peak only as the BFC allocator (the CPU's default does not).
+ENV = {"TF_CPU_ALLOCATOR_USE_BFC": "true"}
+
+
+# --- the child: fresh models, one call each, one JSON line ----------------------------------
+
+
+def child(name: str, variant: str, batches: int) -> dict:
+    """Train a fresh ``name`` model for :data:`EPOCHS` epochs with ``variant``: the growth of
+    the allocator's peak over the call (from what it held before), in MiB."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from companion.diagnostics import NaNDoctor
+    from companion.optimizers import SkipNonFinite
+    from companion.training import train
+
+    model, kind = build(name)
+    x, y = make_data(name, batches * BATCH)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True) if kind == "classes" else "mse"
+    weights_bytes = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in model.trainable_weights)
+    callbacks = [keras.callbacks.TerminateOnNaN()]
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    held = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    if variant == "train":
+        history = train(model, x, y, batch_size=BATCH, epochs=EPOCHS, loss=loss,
+                        optimizer=keras.optimizers.Adam(), callbacks=callbacks, verbose=0)
+    else:
+        optimizer = SkipNonFinite(keras.optimizers.Adam()) if variant == "skip" else keras.optimizers.Adam()
+        model.compile(optimizer=optimizer, loss=loss)
+        if variant == "doctor":
+            callbacks.append(NaNDoctor())
+        history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0, callbacks=callbacks)
+    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    losses = history.history.get("loss", [])
+    return {
+        "model": name, "variant": variant, "batches": batches, "growth_mib": (peak - held) / 2**20,
+        "weights_bytes": weights_bytes, "params": int(model.count_params()),
+        "completed": len(losses) == EPOCHS and all(np.isfinite(losses)),
+    }
+
+
+# --- the parent: rounds of fresh processes --------------------------------------------------
+
+
+def run(name: str, variants: tuple[str, ...], batches: int) -> list[dict]:
+    found = run_child_process(__file__, name, ",".join(variants), str(batches), env=ENV,
+                              what=f"{name}, {', '.join(variants)}")
+    runs = found["variants"] if "variants" in found else [found]
+    for result in runs:
+        if not result["completed"]:
+            raise RuntimeError(f"the run of {name}, {result['variant']} did not end all its epochs with a finite "
+                               "loss: it is not the clean run measured here")
+    return runs
+
+
+def measure(name: str, batches: int, rounds: int, one_process: bool = False) -> dict:
+    """{variant: [per-round allocator peak growth in MiB]} and the model's size.
+
+    ``one_process`` (--quick): every variant in one process."""
+    growth = {variant: [] for variant in VARIANTS}
+    size = None
+    for r in range(rounds):
+        order = VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)]
+        if one_process:
+            print(f"  {name}: {', '.join(NAMES[v] for v in order)} in one process", file=sys.stderr, flush=True)
+            found = run(name, order, batches)
+        else:
+            found = []
+            for variant in order:
+                print(f"  {name}, round {r + 1}/{rounds}: {NAMES[variant]}, {EPOCHS} epochs of {batches} batches",
+                      file=sys.stderr, flush=True)
+                found += run(name, (variant,), batches)
+        for result in found:
+            growth[result["variant"]].append(result["growth_mib"])
+            size = size or {"params": result["params"], "weights_bytes": result["weights_bytes"]}
+    return {"growth_mib": growth, **size, "batches": batches}
+
+
+def summarise(name: str, measured: dict) -> list[dict]:
+    """Each variant's extra allocator peak over fit's, per byte of the weights."""
+    growth, weights_mib = measured["growth_mib"], measured["weights_bytes"] / 2**20
+    rows = []
+    for variant in VARIANTS[1:]:
+        extras = [v - f for v, f in zip(growth[variant], growth["fit"])]
+        q1, extra, q3 = quartiles(extras)
+        rows.append(dict(
+            label=f"device memory, {name}: {NAMES[variant]} extra allocator peak / weights' bytes",
+            ratio=round(extra / weights_mib, 4), q1=round(q1 / weights_mib, 4), q3=round(q3 / weights_mib, 4),
+            target=MEMORY_TARGETS[variant], rounds=len(extras), extra_mib=round(extra, 2),
+            fit_growth_mib=round(statistics.median(growth["fit"]), 2), model=name, variant=variant,
+            kind="memory", params=measured["params"], weights_mib=round(weights_mib, 3),
+        ))
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{', '.join(QUICK_BATCHES)}, 1 round, every variant in one process (a smoke test)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
+    parser.add_argument("--models", help=f"comma-separated, of {', '.join(MODELS)} (default: all)")
+    parser.add_argument("--json", metavar="PATH", help="also write the ratios as JSON ('auto': the default name)")
+    parser.add_argument("--child", nargs=3, metavar=("MODEL", "VARIANTS", "BATCHES"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        name, variants, batches = args.child
+        found = [child(name, variant, int(batches)) for variant in variants.split(",")]
+        print(json.dumps(found[0] if len(found) == 1 else {"variants": found}), flush=True)
+        return 0
+
+    names = args.models.split(",") if args.models else list(QUICK_BATCHES if args.quick else MODELS)
+    unknown = [name for name in names if name not in MODELS]
+    if unknown:
+        parser.error(f"unknown models {unknown}; there are {list(MODELS)}")
+    rounds = 1 if args.quick else args.rounds
+    where = ("--quick: every run in one process, each on a fresh model (a smoke run: not the full run's numbers)"
+             if args.quick else "every run a fresh process and a fresh model")
+    print(f"{rounds} round{'s' * (rounds > 1)}, {where}; batch {BATCH}, {EPOCHS} epochs; memory = the growth of "
+          "TensorFlow's allocator's peak over the call", flush=True)
+    results, rows = {}, []
+    started = time.perf_counter()
+    for name in names:
+        batches = QUICK_BATCHES.get(name, 2) if args.quick else MODELS[name][1]
+        results[name] = measure(name, batches, rounds, one_process=args.quick)
+        model_rows = summarise(name, results[name])
+        rows += model_rows
+        print(f"\n{name}: {MODELS[name][0]}, {results[name]['params'] / 1e6:.2f} M weights "
+              f"({results[name]['weights_bytes'] / 2**20:.1f} MiB); fit's allocator peak grew "
+              f"{model_rows[0]['fit_growth_mib']:.1f} MiB", flush=True)
+        for row in model_rows:
+            print(f"  {row['label']:<78} ratio {row['ratio']:.2f} (quartiles {row['q1']:.2f} to {row['q3']:.2f}), "
+                  f"{row['extra_mib']:+.1f} MiB, target {row['target']}: {verdict(row['q1'], row['q3'], row['target'])}",
+                  flush=True)
+    print(f"\n{time.perf_counter() - started:.0f} s")
+    print("verdict: the median of the per-round ratios, with their quartiles (met: even the third quartile"
+          " is within the target)")
+    if args.json:
+        from _results import write_results
+
+        models = {name: {"description": MODELS[name][0], "params": r["params"], "weights_bytes": r["weights_bytes"],
+                         "batches": r["batches"], "batch_size": BATCH, "growth_mib": r["growth_mib"]}
+                  for name, r in results.items()}
+        write_results(args.json, "device_memory", rows, extra={"models": models, "epochs": EPOCHS})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
