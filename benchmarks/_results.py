@@ -153,6 +153,18 @@ def verdict(q1: float, q3: float, target: float) -> str:
     return "met" if q3 <= target else "missed" if q1 > target else "not resolved"
 
 
+#: The last line of a benchmark that prints verdicts: how to read them.
+VERDICT_LEGEND = ("verdict: the median of the per-round ratios, with their quartiles (met: even the third "
+                  "quartile is within the target)")
+
+
+def ratio_line(row: dict, width: int, extra: str = "") -> str:
+    """One printed ratio: ``row``'s label (padded to ``width``), its median and quartiles,
+    ``extra``, its target and :func:`verdict`."""
+    return (f"  {row['label']:<{width}} ratio {row['ratio']:.2f} (quartiles {row['q1']:.2f} to {row['q3']:.2f})"
+            f"{extra}, target {row['target']}: {verdict(row['q1'], row['q3'], row['target'])}")
+
+
 def timed(fn) -> tuple[float, float]:
     """Wall-clock seconds and process CPU seconds (all threads) of ``fn()``."""
     wall, cpu = time.perf_counter(), time.process_time()

@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _results import quartiles, verdict  # noqa: E402
+from _results import VERDICT_LEGEND, quartiles, verdict  # noqa: E402
 
 from companion.training import train  # noqa: E402
 
@@ -185,8 +185,7 @@ def main(argv=None) -> int:
                 for variant, parts in splits[name].items():
                     shown = ", ".join(f"{k} {v:.2f} s" for k, v in parts.items())
                     print(f"  where a first call of {variant} goes ({name}, 1 epoch): {shown}", flush=True)
-    print("verdict: the median of the per-round ratios, with their quartiles (met: even the third quartile"
-          " is within the target)")
+    print(VERDICT_LEGEND)
     if args.json:
         from _results import write_results
 

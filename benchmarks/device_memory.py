@@ -39,9 +39,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from _results import quartiles, verdict  # noqa: E402
+from _results import VERDICT_LEGEND, quartiles, ratio_line  # noqa: E402
 from _results import run_child as run_child_process  # noqa: E402
-from scale import BATCH, MEMORY_TARGETS, MODELS, NAMES, VARIANTS, build, make_data  # noqa: E402
+from scale import BATCH, MEMORY_TARGETS, MODELS, NAMES, VARIANTS, build, call, make_data  # noqa: E402
 
 EPOCHS = 2
 QUICK_BATCHES = {"cnn-bn": 8}
@@ -59,26 +59,13 @@ def child(name: str, variant: str, batches: int) -> dict:
     import numpy as np
     import tensorflow as tf
 
-    from companion.diagnostics import NaNDoctor
-    from companion.optimizers import SkipNonFinite
-    from companion.training import train
-
     model, kind = build(name)
     x, y = make_data(name, batches * BATCH)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True) if kind == "classes" else "mse"
     weights_bytes = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in model.trainable_weights)
-    callbacks = [keras.callbacks.TerminateOnNaN()]
     tf.config.experimental.reset_memory_stats("CPU:0")
     held = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    if variant == "train":
-        history = train(model, x, y, batch_size=BATCH, epochs=EPOCHS, loss=loss,
-                        optimizer=keras.optimizers.Adam(), callbacks=callbacks, verbose=0)
-    else:
-        optimizer = SkipNonFinite(keras.optimizers.Adam()) if variant == "skip" else keras.optimizers.Adam()
-        model.compile(optimizer=optimizer, loss=loss)
-        if variant == "doctor":
-            callbacks.append(NaNDoctor())
-        history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0, callbacks=callbacks)
+    history = call(variant, model, x, y, loss, EPOCHS)
     peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
     losses = history.history.get("loss", [])
     return {
@@ -177,12 +164,9 @@ def main(argv=None) -> int:
               f"({results[name]['weights_bytes'] / 2**20:.1f} MiB); fit's allocator peak grew "
               f"{model_rows[0]['fit_growth_mib']:.1f} MiB", flush=True)
         for row in model_rows:
-            print(f"  {row['label']:<78} ratio {row['ratio']:.2f} (quartiles {row['q1']:.2f} to {row['q3']:.2f}), "
-                  f"{row['extra_mib']:+.1f} MiB, target {row['target']}: {verdict(row['q1'], row['q3'], row['target'])}",
-                  flush=True)
+            print(ratio_line(row, 78, f", {row['extra_mib']:+.1f} MiB"), flush=True)
     print(f"\n{time.perf_counter() - started:.0f} s")
-    print("verdict: the median of the per-round ratios, with their quartiles (met: even the third quartile"
-          " is within the target)")
+    print(VERDICT_LEGEND)
     if args.json:
         from _results import write_results
 

@@ -47,7 +47,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from _results import quartiles, verdict  # noqa: E402
+from _results import VERDICT_LEGEND, quartiles, ratio_line  # noqa: E402
 from _results import run_child as run_child_process  # noqa: E402
 from scale import BATCH, build, make_data  # noqa: E402
 
@@ -219,11 +219,9 @@ def main(argv=None) -> int:
               f"{results[name]['state_bytes'] / 2**20:.1f} MiB, {batches} batches an epoch", flush=True)
         for row in model_rows:
             extra = f", {row['extra_mib']:+.1f} MiB" if row["kind"] == "memory" else f", CPU {row['cpu_ratio']:.2f}"
-            print(f"  {row['label']:<72} ratio {row['ratio']:.2f} (quartiles {row['q1']:.2f} to {row['q3']:.2f})"
-                  f"{extra}, target {row['target']}: {verdict(row['q1'], row['q3'], row['target'])}", flush=True)
+            print(ratio_line(row, 72, extra), flush=True)
     print(f"\n{time.perf_counter() - started:.0f} s")
-    print("verdict: the median of the per-round ratios, with their quartiles (met: even the third quartile"
-          " is within the target)")
+    print(VERDICT_LEGEND)
     if args.json:
         from _results import write_results
 

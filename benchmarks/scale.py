@@ -49,7 +49,7 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _results import quartiles, verdict  # noqa: E402
+from _results import VERDICT_LEGEND, quartiles, ratio_line, verdict  # noqa: E402
 from _results import run_child as run_child_process  # noqa: E402
 
 BATCH = 64
@@ -149,6 +149,26 @@ def make_data(name: str, rows: int):
     return x, np.tanh(x @ w)
 
 
+def call(variant: str, model, x, y, loss, epochs: int):
+    """One call of ``variant`` on a fresh ``model`` (its History): ``fit`` with
+    ``TerminateOnNaN``, ``train`` with it, or ``fit`` with ``NaNDoctor`` or ``SkipNonFinite``."""
+    import keras
+
+    from companion.diagnostics import NaNDoctor
+    from companion.optimizers import SkipNonFinite
+    from companion.training import train
+
+    callbacks = [keras.callbacks.TerminateOnNaN()]
+    if variant == "train":
+        return train(model, x, y, batch_size=BATCH, epochs=epochs, loss=loss, optimizer=keras.optimizers.Adam(),
+                     callbacks=callbacks, verbose=0)
+    optimizer = SkipNonFinite(keras.optimizers.Adam()) if variant == "skip" else keras.optimizers.Adam()
+    model.compile(optimizer=optimizer, loss=loss)
+    if variant == "doctor":
+        callbacks.append(NaNDoctor())
+    return model.fit(x, y, batch_size=BATCH, epochs=epochs, verbose=0, callbacks=callbacks)
+
+
 def child(name: str, variant: str, epochs: int, batches: int) -> dict:
     """Train a fresh ``name`` model for ``epochs`` epochs of ``batches`` batches with ``variant``."""
     import resource
@@ -156,26 +176,13 @@ def child(name: str, variant: str, epochs: int, batches: int) -> dict:
     import keras
     import numpy as np
 
-    from companion.diagnostics import NaNDoctor
-    from companion.optimizers import SkipNonFinite
-    from companion.training import train
-
     model, kind = build(name)
     x, y = make_data(name, batches * BATCH)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True) if kind == "classes" else "mse"
     weights_bytes = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in model.trainable_weights)
-    callbacks = [keras.callbacks.TerminateOnNaN()]
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     wall, cpu = time.perf_counter(), time.process_time()
-    if variant == "train":
-        history = train(model, x, y, batch_size=BATCH, epochs=epochs, loss=loss,
-                        optimizer=keras.optimizers.Adam(), callbacks=callbacks, verbose=0)
-    else:
-        optimizer = SkipNonFinite(keras.optimizers.Adam()) if variant == "skip" else keras.optimizers.Adam()
-        model.compile(optimizer=optimizer, loss=loss)
-        if variant == "doctor":
-            callbacks.append(NaNDoctor())
-        history = model.fit(x, y, batch_size=BATCH, epochs=epochs, verbose=0, callbacks=callbacks)
+    history = call(variant, model, x, y, loss, epochs)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     losses = history.history.get("loss", [])
@@ -375,12 +382,10 @@ def main(argv=None) -> int:
               f"({results[name]['weights_bytes'] / 2**20:.1f} MiB), {batches} batches an epoch", flush=True)
         for row in model_rows:
             extra = f", {row['extra_mib']:+.1f} MiB" if row["kind"] == "memory" else f", CPU {row['cpu_ratio']:.2f}"
-            print(f"  {row['label']:<66} ratio {row['ratio']:.2f} (quartiles {row['q1']:.2f} to {row['q3']:.2f})"
-                  f"{extra}, target {row['target']}: {verdict(row['q1'], row['q3'], row['target'])}", flush=True)
+            print(ratio_line(row, 66, extra), flush=True)
     print(f"\n{time.perf_counter() - started:.0f} s")
     print_table(results, rows)
-    print("verdict: the median of the per-round ratios, with their quartiles (met: even the third quartile"
-          " is within the target)")
+    print(VERDICT_LEGEND)
     if args.json:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from _results import write_results
