@@ -12,6 +12,24 @@ epochs), each run a fresh process and a fresh model. On this CPU the allocator a
 what a GPU run keeps in host memory: the input pipeline's batches (the doctor's kept
 batches among them); the figures are for the tensors, not for a particular GPU.
 
+How the allocator gets its memory changes what its peak counts. TensorFlow's allocator
+(BFC) cuts each tensor from a larger free piece and splits that piece only if the piece
+is at least twice the tensor's size; otherwise the whole piece is the tensor's, and its
+unused rest counts as held. Each run is made both ways:
+
+* ``reserved``: one region of :data:`RESERVE_BYTES` is reserved before anything else is
+  allocated (its pages are never touched, so it costs no resident memory), as TensorFlow
+  does on a GPU by default (it maps nearly all of the GPU's memory at its first
+  allocation). Every tensor is cut from that region: the peak counts the tensors' own
+  bytes and the gaps between them.
+* ``growth``: the allocator grows region by region, each about twice the last, as on a
+  GPU with ``tf.config.experimental.set_memory_growth``. A tensor then often gets a whole
+  piece of a fresh region, and the peak also counts those pieces' unused rests, which
+  depend on the order in which tensors were allocated. The reference ``fit-built`` shows
+  how much: ``fit`` with its optimizer built before the call (as ``train`` builds it),
+  otherwise the same run as ``fit``; its growth minus ``fit``'s is printed and kept in
+  the JSON (no target: nothing but the order changed).
+
 A variant's extra is its peak growth minus ``fit``'s in the same round, as a multiple of
 the weights' bytes; each ratio is the median over rounds (the variants alternate in a
 round, the order rotating from round to round), with its quartiles. Targets: scale.py's
@@ -22,9 +40,9 @@ memory targets (issue 41) read for the accelerator's memory: ``train`` and
 
 ``--json auto`` writes into ``companion/book/benchmark_results/`` under the default name.
 ``--quick`` (the small CNN, 1 round, 8 batches an epoch, every variant in one process,
-the allocator's peak reset between runs) only checks that the script runs: its numbers
-are not the full run's. The full run (5 models, 3 rounds, 60 processes) took 761 s, about
-13 minutes, on 2 loaded cores.
+``reserved`` only, the allocator's peak reset between runs) only checks that the script
+runs: its numbers are not the full run's. The full run (5 models, both allocations, 3
+rounds, 150 processes) takes about half an hour on 2 cores (``--allocations`` picks one).
 """
 
 from __future__ import annotations
@@ -47,12 +65,29 @@ EPOCHS = 2
 QUICK_BATCHES = {"cnn-bn": 8}
 #: The allocator keeps count of its peak only as the BFC allocator (the CPU's default does not).
 ENV = {"TF_CPU_ALLOCATOR_USE_BFC": "true"}
+#: How the allocator gets its memory (see the docstring); --quick runs the first only.
+ALLOCATIONS = ("reserved", "growth")
+#: The region reserved up front in ``reserved`` runs: far above the largest run's peak
+#: (the 28 M MLP's is under 1 GiB); never touched, so it is address space, not memory.
+RESERVE_BYTES = 4 * 2**30
+#: The measured variants: scale.py's, and the reference of the allocation order.
+MEASURED = (*VARIANTS, "fit-built")
+LABELS = {**NAMES, "fit-built": "fit, optimizer built first"}
 
 
 # --- the child: fresh models, one call each, one JSON line ----------------------------------
 
 
-def child(name: str, variant: str, batches: int) -> dict:
+def reserve(allocation: str) -> None:
+    """In a ``reserved`` run, make the allocator's first region :data:`RESERVE_BYTES` (an
+    uninitialised tensor of that size, freed at once: the region stays, untouched)."""
+    import tensorflow as tf
+
+    if allocation == "reserved":
+        tf.raw_ops.Empty(shape=[RESERVE_BYTES // 4], dtype=tf.float32, init=False)
+
+
+def child(name: str, variant: str, batches: int, allocation: str = "growth") -> dict:
     """Train a fresh ``name`` model for :data:`EPOCHS` epochs with ``variant``: the growth of
     the allocator's peak over the call (from what it held before), in MiB."""
     import keras
@@ -65,11 +100,21 @@ def child(name: str, variant: str, batches: int) -> dict:
     weights_bytes = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in model.trainable_weights)
     tf.config.experimental.reset_memory_stats("CPU:0")
     held = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    history = call(variant, model, x, y, loss, EPOCHS)
+    if variant == "fit-built":
+        model.compile(optimizer=keras.optimizers.Adam(), loss=loss)
+        model.optimizer.build(model.trainable_variables)
+        history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0,
+                            callbacks=[keras.callbacks.TerminateOnNaN()])
+    else:
+        history = call(variant, model, x, y, loss, EPOCHS)
     peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    if allocation == "reserved" and peak > RESERVE_BYTES:
+        raise RuntimeError(f"{name}, {variant}: the allocator's peak ({peak / 2**20:.0f} MiB) outgrew the reserved "
+                           "region: raise RESERVE_BYTES")
     losses = history.history.get("loss", [])
     return {
-        "model": name, "variant": variant, "batches": batches, "growth_mib": (peak - held) / 2**20,
+        "model": name, "variant": variant, "batches": batches, "allocation": allocation,
+        "growth_mib": (peak - held) / 2**20,
         "weights_bytes": weights_bytes, "params": int(model.count_params()),
         "completed": len(losses) == EPOCHS and all(np.isfinite(losses)),
     }
@@ -78,9 +123,9 @@ def child(name: str, variant: str, batches: int) -> dict:
 # --- the parent: rounds of fresh processes --------------------------------------------------
 
 
-def run(name: str, variants: tuple[str, ...], batches: int) -> list[dict]:
-    found = run_child_process(__file__, name, ",".join(variants), str(batches), env=ENV,
-                              what=f"{name}, {', '.join(variants)}")
+def run(name: str, variants: tuple[str, ...], batches: int, allocation: str) -> list[dict]:
+    found = run_child_process(__file__, name, ",".join(variants), str(batches), allocation, env=ENV,
+                              what=f"{name}, {allocation}, {', '.join(variants)}")
     runs = found["variants"] if "variants" in found else [found]
     for result in runs:
         if not result["completed"]:
@@ -89,42 +134,50 @@ def run(name: str, variants: tuple[str, ...], batches: int) -> list[dict]:
     return runs
 
 
-def measure(name: str, batches: int, rounds: int, one_process: bool = False) -> dict:
+def measure(name: str, batches: int, rounds: int, allocation: str, one_process: bool = False) -> dict:
     """{variant: [per-round allocator peak growth in MiB]} and the model's size.
 
     ``one_process`` (--quick): every variant in one process."""
-    growth = {variant: [] for variant in VARIANTS}
+    variants = VARIANTS if one_process else MEASURED
+    growth = {variant: [] for variant in variants}
     size = None
     for r in range(rounds):
-        order = VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)]
+        order = variants[r % len(variants):] + variants[: r % len(variants)]
         if one_process:
-            print(f"  {name}: {', '.join(NAMES[v] for v in order)} in one process", file=sys.stderr, flush=True)
-            found = run(name, order, batches)
+            print(f"  {name}, {allocation}: {', '.join(LABELS[v] for v in order)} in one process",
+                  file=sys.stderr, flush=True)
+            found = run(name, order, batches, allocation)
         else:
             found = []
             for variant in order:
-                print(f"  {name}, round {r + 1}/{rounds}: {NAMES[variant]}, {EPOCHS} epochs of {batches} batches",
-                      file=sys.stderr, flush=True)
-                found += run(name, (variant,), batches)
+                print(f"  {name}, {allocation}, round {r + 1}/{rounds}: {LABELS[variant]}, {EPOCHS} epochs of "
+                      f"{batches} batches", file=sys.stderr, flush=True)
+                found += run(name, (variant,), batches, allocation)
         for result in found:
             growth[result["variant"]].append(result["growth_mib"])
             size = size or {"params": result["params"], "weights_bytes": result["weights_bytes"]}
     return {"growth_mib": growth, **size, "batches": batches}
 
 
-def summarise(name: str, measured: dict) -> list[dict]:
+def extras_mib(measured: dict, variant: str) -> list[float]:
+    """``variant``'s growth minus ``fit``'s, round by round, in MiB."""
+    growth = measured["growth_mib"]
+    return [v - f for v, f in zip(growth[variant], growth["fit"])]
+
+
+def summarise(name: str, measured: dict, allocation: str) -> list[dict]:
     """Each variant's extra allocator peak over fit's, per byte of the weights."""
     growth, weights_mib = measured["growth_mib"], measured["weights_bytes"] / 2**20
     rows = []
     for variant in VARIANTS[1:]:
-        extras = [v - f for v, f in zip(growth[variant], growth["fit"])]
+        extras = extras_mib(measured, variant)
         q1, extra, q3 = quartiles(extras)
         rows.append(dict(
-            label=f"device memory, {name}: {NAMES[variant]} extra allocator peak / weights' bytes",
+            label=f"device memory, {allocation}, {name}: {NAMES[variant]} extra allocator peak / weights' bytes",
             ratio=round(extra / weights_mib, 4), q1=round(q1 / weights_mib, 4), q3=round(q3 / weights_mib, 4),
             target=MEMORY_TARGETS[variant], rounds=len(extras), extra_mib=round(extra, 2),
             fit_growth_mib=round(statistics.median(growth["fit"]), 2), model=name, variant=variant,
-            kind="memory", params=measured["params"], weights_mib=round(weights_mib, 3),
+            allocation=allocation, kind="memory", params=measured["params"], weights_mib=round(weights_mib, 3),
         ))
     return rows
 
@@ -135,12 +188,16 @@ def main(argv=None) -> int:
                         help=f"{', '.join(QUICK_BATCHES)}, 1 round, every variant in one process (a smoke test)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
     parser.add_argument("--models", help=f"comma-separated, of {', '.join(MODELS)} (default: all)")
+    parser.add_argument("--allocations", help=f"comma-separated, of {', '.join(ALLOCATIONS)} (default: both; "
+                                              f"--quick: {ALLOCATIONS[0]})")
     parser.add_argument("--json", metavar="PATH", help="also write the ratios as JSON ('auto': the default name)")
-    parser.add_argument("--child", nargs=3, metavar=("MODEL", "VARIANTS", "BATCHES"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=4, metavar=("MODEL", "VARIANTS", "BATCHES", "ALLOCATION"),
+                        help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        name, variants, batches = args.child
-        found = [child(name, variant, int(batches)) for variant in variants.split(",")]
+        name, variants, batches, allocation = args.child
+        reserve(allocation)
+        found = [child(name, variant, int(batches), allocation) for variant in variants.split(",")]
         print(json.dumps(found[0] if len(found) == 1 else {"variants": found}), flush=True)
         return 0
 
@@ -148,32 +205,46 @@ def main(argv=None) -> int:
     unknown = [name for name in names if name not in MODELS]
     if unknown:
         parser.error(f"unknown models {unknown}; there are {list(MODELS)}")
+    allocations = (args.allocations.split(",") if args.allocations
+                   else ALLOCATIONS[:1] if args.quick else ALLOCATIONS)
+    unknown = [a for a in allocations if a not in ALLOCATIONS]
+    if unknown:
+        parser.error(f"unknown allocations {unknown}; there are {list(ALLOCATIONS)}")
     rounds = 1 if args.quick else args.rounds
     where = ("--quick: every run in one process, each on a fresh model (a smoke run: not the full run's numbers)"
              if args.quick else "every run a fresh process and a fresh model")
     print(f"{rounds} round{'s' * (rounds > 1)}, {where}; batch {BATCH}, {EPOCHS} epochs; memory = the growth of "
-          "TensorFlow's allocator's peak over the call", flush=True)
+          f"TensorFlow's allocator's peak over the call; allocations: {', '.join(allocations)}", flush=True)
     results, rows = {}, []
     started = time.perf_counter()
     for name in names:
         batches = QUICK_BATCHES.get(name, 2) if args.quick else MODELS[name][1]
-        results[name] = measure(name, batches, rounds, one_process=args.quick)
-        model_rows = summarise(name, results[name])
-        rows += model_rows
-        print(f"\n{name}: {MODELS[name][0]}, {results[name]['params'] / 1e6:.2f} M weights "
-              f"({results[name]['weights_bytes'] / 2**20:.1f} MiB); fit's allocator peak grew "
-              f"{model_rows[0]['fit_growth_mib']:.1f} MiB", flush=True)
-        for row in model_rows:
-            print(ratio_line(row, 78, f", {row['extra_mib']:+.1f} MiB"), flush=True)
+        results[name] = {}
+        for allocation in allocations:
+            measured = results[name][allocation] = measure(name, batches, rounds, allocation, one_process=args.quick)
+            model_rows = summarise(name, measured, allocation)
+            rows += model_rows
+            print(f"\n{name}, {allocation}: {MODELS[name][0]}, {measured['params'] / 1e6:.2f} M weights "
+                  f"({measured['weights_bytes'] / 2**20:.1f} MiB); fit's allocator peak grew "
+                  f"{model_rows[0]['fit_growth_mib']:.1f} MiB", flush=True)
+            for row in model_rows:
+                print(ratio_line(row, 88, f", {row['extra_mib']:+.1f} MiB"), flush=True)
+            if "fit-built" in measured["growth_mib"]:
+                q1, extra, q3 = quartiles(extras_mib(measured, "fit-built"))
+                print(f"  reference: {LABELS['fit-built']}, over fit: {extra:+.1f} MiB (quartiles {q1:+.1f} to "
+                      f"{q3:+.1f}), {extra / (measured['weights_bytes'] / 2**20):.2f} x the weights' bytes", flush=True)
     print(f"\n{time.perf_counter() - started:.0f} s")
     print(VERDICT_LEGEND)
     if args.json:
         from _results import write_results
 
-        models = {name: {"description": MODELS[name][0], "params": r["params"], "weights_bytes": r["weights_bytes"],
-                         "batches": r["batches"], "batch_size": BATCH, "growth_mib": r["growth_mib"]}
+        models = {name: {"description": MODELS[name][0], "params": next(iter(r.values()))["params"],
+                         "weights_bytes": next(iter(r.values()))["weights_bytes"],
+                         "batches": next(iter(r.values()))["batches"], "batch_size": BATCH,
+                         "growth_mib": {allocation: m["growth_mib"] for allocation, m in r.items()}}
                   for name, r in results.items()}
-        write_results(args.json, "device_memory", rows, extra={"models": models, "epochs": EPOCHS})
+        write_results(args.json, "device_memory", rows, extra={
+            "models": models, "epochs": EPOCHS, "allocations": list(allocations), "reserve_bytes": RESERVE_BYTES})
     return 0
 
 

@@ -300,7 +300,18 @@ class GuardedStep(OptimizerInterception):
             # (The doctor's step tests the gradients' entries instead of their norm: a norm
             # that overflows from finite entries is not a value fit makes non-finite.)
             gradients = list(slot.grads.values()) if self.watch_logs else [norm]
+            by_norm = None
+            if self.watch_logs and _entries(gradients) > SELECT_LIMIT:
+                # A finite norm proves every entry finite (a NaN or an Inf survives the
+                # sum of squares): the entries are tested only where it is not, so that
+                # a step reads large gradients once (for their norm), not twice.
+                entries_of = gradients
+                by_norm = tf.cond(tf.raw_ops.IsFinite(x=tf.cast(norm, tf.float32)), lambda: tf.constant(True),
+                                  lambda: _all_finite(entries_of))
+                gradients = []
             finite = _all_finite([loss, *gradients, *_float_values(logs), *now], flatten=_entries(now) <= SELECT_LIMIT)
+            if by_norm is not None:
+                finite = tf.raw_ops.LogicalAnd(x=finite, y=by_norm)
             if not one:
                 # The same decision on every replica and worker.
                 context = tf.distribute.get_replica_context()

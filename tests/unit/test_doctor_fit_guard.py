@@ -123,3 +123,39 @@ def test_restore_weights_false_applies_the_failing_step_as_fit_would_have():
     for a, b in zip(watched.get_weights(), plain.get_weights()):
         np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
     assert not all(np.isfinite(w).all() for w in watched.get_weights())  # the NaN step applied
+
+
+def _wide(seed=0):
+    """300 x 300 weights (more than SELECT_LIMIT entries: the doctor's step tests them
+    through their norm first), zero at the start."""
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((300,)),
+                              keras.layers.Dense(300, use_bias=False, kernel_initializer="zeros"),
+                              keras.layers.Lambda(lambda h: tf.reduce_sum(h, axis=1, keepdims=True))])
+    model.compile(loss="mse", optimizer=keras.optimizers.SGD(1e-30))
+    return model
+
+
+def test_finite_gradients_whose_norm_overflows_are_a_finite_step_for_the_doctor():
+    # Every entry of the kernel's gradient is -2e18, finite; the sum of their 90 000
+    # squares overflows float32: the doctor falls back on the entries, as fit would count it.
+    x, y = np.ones((2, 300), "float32"), np.full((2, 1), 1e18, "float32")
+    model = _wide()
+    doctor = NaNDoctor(verbose=False)
+    model.fit(x, y, batch_size=1, epochs=1, shuffle=False, verbose=0, callbacks=[doctor])
+    assert doctor.diagnosis is None and doctor._guard is not None and doctor._guard.mode == "deferred"
+    assert int(model.optimizer.iterations.numpy()) == 2
+    kernel = model.get_weights()[0]
+    assert np.isfinite(kernel).all() and (kernel > 0).all()  # both steps applied
+
+
+def test_a_nan_gradient_of_a_large_variable_under_a_finite_loss_is_caught_by_the_doctor():
+    # sqrt(|0|) is finite; its gradient is inf * 0 = NaN in every entry of the kernel.
+    model = _wide()
+    model.layers[-1].function = lambda h: tf.sqrt(tf.abs(tf.reduce_sum(h, axis=1, keepdims=True)))
+    x, y = np.ones((2, 300), "float32"), np.ones((2, 1), "float32")
+    doctor = NaNDoctor(verbose=False)
+    model.fit(x, y, batch_size=1, epochs=1, shuffle=False, verbose=0, callbacks=[doctor])
+    assert doctor.batch == (0, 0) and doctor.diagnosis is not None
+    assert int(model.optimizer.iterations.numpy()) == 0
+    np.testing.assert_array_equal(model.get_weights()[0], 0.0)  # the NaN step put back
