@@ -238,11 +238,12 @@ def main(argv=None) -> int:
     if args.json:
         from _results import write_results
 
-        models = {name: {"description": MODELS[name][0], "params": next(iter(r.values()))["params"],
-                         "weights_bytes": next(iter(r.values()))["weights_bytes"],
-                         "batches": next(iter(r.values()))["batches"], "batch_size": BATCH,
-                         "growth_mib": {allocation: m["growth_mib"] for allocation, m in r.items()}}
-                  for name, r in results.items()}
+        models = {}
+        for name, by_allocation in results.items():
+            size = next(iter(by_allocation.values()))  # the model's size: the same in every allocation
+            models[name] = {"description": MODELS[name][0], "params": size["params"],
+                            "weights_bytes": size["weights_bytes"], "batches": size["batches"], "batch_size": BATCH,
+                            "growth_mib": {allocation: m["growth_mib"] for allocation, m in by_allocation.items()}}
         write_results(args.json, "device_memory", rows, extra={
             "models": models, "epochs": EPOCHS, "allocations": list(allocations), "reserve_bytes": RESERVE_BYTES})
     return 0
