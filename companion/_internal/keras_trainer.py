@@ -153,17 +153,18 @@ def running_fit_locals(frame, names: tuple[str, ...]) -> dict[str, Any] | None:
 # under the default strategy), which Keras builds before ``on_train_begin`` (for
 # arrays with ``shuffle=True``, the rows are permuted there, per epoch, by
 # ``tf.random.shuffle``: nothing outside the pipeline knows the permutation).
-# The tap maps the dataset through a ``tf.py_function`` that hands each batch, in the
-# order the pipeline yields it (the order ``fit`` trains on), to a Python function.
+# The tap maps the dataset through an op that puts each batch, in the order the
+# pipeline yields it (the order ``fit`` trains on), into a queue the doctor reads.
 # If gone: no tap (a warning says so), and the doctor diagnoses the rows of the
 # unshuffled arrays in fit's order, saying that fit shuffled them.
 
 
 @hook('test_keras_fit_shuffled_batches_can_be_tapped_in_the_order_fit_trains_on_them')
-def tap_fit_batches(frame, record: Callable[[Any], None]) -> Callable[[], None] | None:
+def tap_fit_batches(frame, record: Callable[[Any], None]) -> "BatchTap | None":
     """Make the running ``fit`` hand each batch it trains on to ``record``, in order.
 
-    Returns a function that removes the tap, or ``None`` if it cannot be installed.
+    Returns the :class:`BatchTap` (call it to remove the tap), or ``None`` if it cannot
+    be installed.
     """
     found = running_fit_locals(frame, ("epoch_iterator",))
     iterator = None if found is None else found["epoch_iterator"]
@@ -174,29 +175,71 @@ def tap_fit_batches(frame, record: Callable[[Any], None]) -> Callable[[], None] 
         warn_once("epoch_iterator", "keras' fit has no epoch_iterator with a tf.data.Dataset: the NaN doctor "
                                     "cannot see the batches fit shuffled")
         return None
+    return BatchTap(iterator, dataset, record)
 
-    as_tuple = isinstance(dataset.element_spec, tuple)  # map hands a tuple's items as arguments
 
-    def tap(*element):
-        structure = tuple(element) if as_tuple else element[0]
-        flat = tf.nest.flatten(structure)
+class BatchTap:
+    """The tap of a running ``fit``'s batches (see :func:`tap_fit_batches`).
 
-        def hand_on(*values):
-            record(tf.nest.pack_sequence_as(structure, [v.numpy() for v in values]))
-            return 0
+    Each batch the pipeline yields is put, as the pipeline yields it, into a queue of
+    tensors (no Python runs in tf.data's thread: a ``tf.py_function`` there cost a step
+    of a small model some 0.3 ms of CPU); :meth:`collect` hands the queued batches to
+    ``record``, in order, and :meth:`discard` drops them. A batch of composite tensors
+    (ragged, sparse), which a queue cannot hold, is handed on by a ``tf.py_function``.
+    Calling the tap drops what is left and removes it.
+    """
 
-        done = tf.py_function(hand_on, flat, tf.int32)
-        with tf.control_dependencies([done]):
-            return tf.nest.map_structure(tf.identity, structure)
+    def __init__(self, iterator, dataset: tf.data.Dataset, record: Callable[[Any], None]) -> None:
+        self._iterator, self._dataset, self._record = iterator, dataset, record
+        spec = dataset.element_spec
+        self._structure = tuple(spec) if isinstance(spec, tuple) else spec
+        flat = tf.nest.flatten(spec)
+        self._queue = None
+        if all(type(s) is tf.TensorSpec for s in flat):  # noqa: E721 - not a subclass's composite
+            with tf.init_scope(), tf.device("/cpu:0"):
+                self._queue = tf.queue.FIFOQueue(-1, [s.dtype for s in flat], shapes=None)
+        as_tuple = isinstance(spec, tuple)  # map hands a tuple's items as arguments
+        queue = self._queue
 
-    with warnings.catch_warnings():  # "run_functions_eagerly does not apply to tf.data functions": known
-        warnings.simplefilter("ignore", UserWarning)
-        iterator._distributed_dataset = dataset.map(tap).prefetch(tf.data.AUTOTUNE)
+        def tap(*element):
+            structure = tuple(element) if as_tuple else element[0]
+            values = tf.nest.flatten(structure)
+            if queue is not None:
+                done = queue.enqueue(values)
+            else:
+                def hand_on(*values):
+                    record(tf.nest.pack_sequence_as(structure, [v.numpy() for v in values]))
+                    return 0
 
-    def remove() -> None:
-        iterator._distributed_dataset = dataset
+                done = tf.py_function(hand_on, values, tf.int32)
+            with tf.control_dependencies([done]):
+                return tf.nest.map_structure(tf.identity, structure)
 
-    return remove
+        with warnings.catch_warnings():  # "run_functions_eagerly does not apply to tf.data functions": known
+            warnings.simplefilter("ignore", UserWarning)
+            iterator._distributed_dataset = dataset.map(tap).prefetch(tf.data.AUTOTUNE)
+
+    def collect(self) -> None:
+        """Hand the batches queued so far to ``record``, in the order fit trains on them."""
+        self._take(self._record)
+
+    def discard(self) -> None:
+        """Drop the batches queued so far."""
+        self._take(None)
+
+    def _take(self, record) -> None:
+        queue = self._queue
+        if queue is None:
+            return
+        for _ in range(int(queue.size())):
+            values = queue.dequeue()
+            if record is not None:
+                record(tf.nest.pack_sequence_as(self._structure, [v.numpy() for v in tf.nest.flatten(values)]))
+
+    def __call__(self) -> None:
+        """Drop what is left and remove the tap."""
+        self.discard()
+        self._iterator._distributed_dataset = self._dataset
 
 
 # --------------------------------------------------------------------------------------

@@ -128,6 +128,7 @@ class NaNDoctor(keras.callbacks.Callback):
         self._shuffled = False  # the steps' batches are known from the tap only
         self._tapped: dict[int, Any] = {}  # step index (from fit's start) -> the batch fit trained on
         self._tapped_bytes = 0
+        self._kept_limit: tuple[int, int] | None = None  # (trainable variables, _max_kept_bytes)
         self._lock = threading.Lock()
         self._produced = 0
         self._untap = None
@@ -200,16 +201,21 @@ class NaNDoctor(keras.callbacks.Callback):
             return
         self._shuffled = True
 
-        def record(batch) -> None:  # called from tf.data's thread
+        def record(batch) -> None:  # (from tf.data's thread for a batch of composite tensors)
             size = sum(int(np.asarray(v).nbytes) for v in tf.nest.flatten(batch))
             with self._lock:
                 self._tapped[self._produced] = batch
                 self._tapped_bytes += size
                 self._produced += 1
 
-        self._untap = _internal.tap_fit_batches(frame, record)
+        self._untap = _internal.tap_fit_batches(frame, record)  # (record runs at _collect)
         if self._untap is None:
             self._shuffled = _is_arrays(x)  # a dataset is read again, in order (the best left)
+
+    def _collect(self) -> None:
+        """The batches fit's pipeline yielded since the last collection, into ``_tapped``."""
+        if self._untap is not None:
+            self._untap.collect()
 
     def on_train_end(self, logs=None) -> None:
         self._uninstall()
@@ -229,6 +235,7 @@ class NaNDoctor(keras.callbacks.Callback):
         self._epoch_steps.append(0)
         if self._done:
             return
+        self._collect()
         try:
             # One state is kept at a time: fit's start while a re-run from there can reach
             # every step of this epoch (judged by the last epoch's), else, for a small
@@ -267,8 +274,11 @@ class NaNDoctor(keras.callbacks.Callback):
     def _max_kept_bytes(self) -> int:
         """The most bytes of fit's batches kept: a quarter of the weights' bytes, at least
         4 MiB and at most :data:`MAX_KEPT_BYTES` (beyond: this epoch's, then the step's own)."""
-        weights = sum(_nbytes(v) for v in self.model.trainable_variables)
-        return min(MAX_KEPT_BYTES, max(weights // 4, 4 * 2**20))
+        variables = self.model.trainable_variables
+        if self._kept_limit is None or self._kept_limit[0] != len(variables):  # (a model built in its first step)
+            weights = sum(_nbytes(v) for v in variables)
+            self._kept_limit = (len(variables), min(MAX_KEPT_BYTES, max(weights // 4, 4 * 2**20)))
+        return self._kept_limit[1]
 
     def _forget(self, before: int) -> None:
         """Drop the kept batches of the steps before ``before``."""
@@ -279,26 +289,34 @@ class NaNDoctor(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None) -> None:
         if self._done:
+            if self._untap is not None:
+                self._untap.discard()  # (the tap stays until fit's end: its batches are not kept)
             return
         try:
+            if self._steps % COLLECT_EVERY == 0:
+                self._collect()
             records, _ = self._guard.drain()
             for row, record in enumerate(records):
                 self._steps += 1
                 if self._epoch_steps:
                     self._epoch_steps[-1] += 1
-                if self._tapped and (self._steps - self._epoch_first > MAX_STEPS
-                                     or self._tapped_bytes > self._max_kept_bytes()):
-                    self._forget(self._steps - 1)  # too many to re-run from the epoch's start: the step's own only
                 if record[APPLIED] >= 0.5:
+                    self._keep_what_can_be_re_run()
                     self._losses.append(float(record[LOSS]))
                     continue
                 self.nonfinite_logs = tuple(self._guard.nonfinite_logs(row))
+                self._collect()  # the failing step's batch, and any before it
+                self._keep_what_can_be_re_run()
                 self._found(self._steps - 1 - self._epoch_first)
                 return
         except Exception as error:
             self._done = True
             self._uninstall()
             self._warn(f"failed at batch {batch} of epoch {self._epoch}", error)
+
+    def _keep_what_can_be_re_run(self) -> None:
+        if self._tapped and (self._steps - self._epoch_first > MAX_STEPS or self._tapped_bytes > self._max_kept_bytes()):
+            self._forget(self._steps - 1)  # too many to re-run from the epoch's start: the step's own only
 
     def _found(self, batch: int) -> None:
         """The step ``batch`` of this epoch was not applied: the state is the one before it."""
@@ -496,6 +514,10 @@ class _KeptState:
 
 #: The most bytes of fit's shuffled batches the doctor keeps (beyond: the epoch's, then the step's own only).
 MAX_KEPT_BYTES = 64 * 2**20
+
+#: Every so many steps the doctor takes the batches fit's pipeline yielded from the tap's
+#: queue (and at every epoch's start and at a failing step); a few eager ops each time.
+COLLECT_EVERY = 16
 
 
 def _is_arrays(x) -> bool:

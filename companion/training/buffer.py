@@ -35,6 +35,9 @@ class RecordBuffer:
 
     def __init__(self, capacity: int, variables: int, strategy) -> None:
         self.capacity = int(capacity)
+        # One replica: the host's reads and write are raw ops on the handles (a drain runs
+        # after every host call, often every step; Keras' reads cost it some 3 times more).
+        self.one = int(strategy.num_replicas_in_sync) == 1
         self.log_keys: list = []
         self.log_flags = None
         with strategy.scope():
@@ -44,6 +47,8 @@ class RecordBuffer:
             )
             self.written = tf.Variable(tf.constant(0, tf.int32), name="guard_written", **ON_READ)
             self.consecutive = tf.Variable(tf.constant(0, tf.int32), name="guard_consecutive", **ON_READ)
+        with tf.init_scope():
+            self._zero = tf.constant(0, tf.int32)  # (a drain's write: made once, not at every host call)
 
     def write_log_flags(self, logs, written) -> None:
         """Whether each floating logged value of the step was finite, into its row."""
@@ -129,12 +134,26 @@ class RecordBuffer:
     def drain(self, guard: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
         """The records of the steps run since the last drain, and their NaN/Inf counts.
 
-        Three small eager reads and one write per host call (a traced function would
-        cost more to trace than all the reads of a short run).
+        Two small eager reads and one write per host call (a third read where a step was
+        skipped); a traced function would cost more to trace than all the reads of a
+        short run.
         """
-        n = min(int(tf.convert_to_tensor(self.written).numpy()), self.capacity)
-        records = tf.convert_to_tensor(self.records).numpy()[:n]
-        self.written.assign(0)
+        if not self.one:
+            n = min(int(tf.convert_to_tensor(self.written).numpy()), self.capacity)
+            records = tf.convert_to_tensor(self.records).numpy()[:n]
+            self.written.assign(0)
+            counts = (lambda: tf.convert_to_tensor(self.counts).numpy()[:n])
+        else:
+            n = min(int(_value(self.written)), self.capacity)
+            records = _value(self.records)[:n]
+            if n:
+                tf.raw_ops.AssignVariableOp(resource=self.written.handle, value=self._zero)
+            counts = (lambda: _value(self.counts)[:n])
         if not guard or records[:, APPLIED].all():
             return records, None
-        return records, tf.convert_to_tensor(self.counts).numpy()[:n]
+        return records, counts()
+
+
+def _value(variable) -> np.ndarray:
+    """The variable's value on the host, read straight from its handle (one replica)."""
+    return tf.raw_ops.ReadVariableOp(resource=variable.handle, dtype=variable.dtype).numpy()

@@ -145,22 +145,26 @@ class CheckpointCallback(keras.callbacks.Callback):
 _EPOCH_SAVERS = (keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore)
 
 
-def asks_for_batch_hooks(callbacks) -> bool:
+def asks_for_batch_hooks(callbacks, guarded: bool = False) -> bool:
     """Whether any of ``callbacks`` overrides a batch hook of training (as Keras tells).
 
     ``ModelCheckpoint`` and ``BackupAndRestore`` with ``save_freq="epoch"`` do not: their
-    ``on_train_batch_end`` returns at once then (unless a subclass overrides it).
+    ``on_train_batch_end`` returns at once then (unless a subclass overrides it). Nor,
+    when ``guarded`` (a skipped step never shows in the logs), does ``TerminateOnNaN``:
+    its hook acts only on a logged loss that is not finite.
     """
     hooks = ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end")
     for callback in callbacks:
         if isinstance(callback, (keras.callbacks.History, keras.callbacks.ProgbarLogger)):
             continue
         overridden = [name for name in hooks if not _internal.is_default_callback_method(callback, name)]
+        inert = None
         if isinstance(callback, _EPOCH_SAVERS) and getattr(callback, "save_freq", None) == "epoch":
-            keras_own = next(c for c in _EPOCH_SAVERS if isinstance(callback, c))
-            overridden = [
-                name for name in overridden if getattr(type(callback), name) is not getattr(keras_own, name)
-            ]
+            inert = next(c for c in _EPOCH_SAVERS if isinstance(callback, c))
+        elif guarded and isinstance(callback, keras.callbacks.TerminateOnNaN):
+            inert = keras.callbacks.TerminateOnNaN
+        if inert is not None:
+            overridden = [name for name in overridden if getattr(type(callback), name) is not getattr(inert, name)]
         if overridden:
             return True
     return False

@@ -64,7 +64,8 @@ MIN_STEPS_FOR_LOOP_PER_VARIABLE = 4
 #   columns have exactly ``fit``'s keys.
 # * Callbacks run as ``fit`` runs them, batch hooks every ``steps_per_execution``
 #   steps. When neither ``compile`` nor ``train`` was given ``steps_per_execution``,
-#   no callback overrides a batch hook and the call runs at least 32 steps, and 4 per
+#   no callback overrides a batch hook (but ``TerminateOnNaN``'s, which does nothing
+#   under the guard) and the call runs at least 32 steps, and 4 per
 #   trainable variable (epochs times steps per epoch), ``train`` runs up to a
 #   whole epoch (at most 1024 steps) per host call, as ``fit`` with that
 #   ``steps_per_execution`` would; the progress bar is then updated after each host
@@ -235,6 +236,8 @@ def train(
     if snapshot_every_steps is not None:
         snapshot_every_steps = check_int("snapshot_every_steps", snapshot_every_steps, 0)
     skip_loss_spikes = check_positive_number("skip_loss_spikes", skip_loss_spikes, allow_none=True)
+    if steps_per_execution is not None:
+        steps_per_execution = check_int("steps_per_execution", steps_per_execution, 1)
     if skip_loss_spikes is not None and on_nonfinite == "ignore":
         raise ValueError("skip_loss_spikes needs the guard: it cannot be used with on_nonfinite='ignore'")
     clip_global_norm = check_positive_number("clip_global_norm", clip_global_norm, allow_none=True)
@@ -288,13 +291,17 @@ def train(
     if cluster is not None and not cluster.is_chief:
         fit_arguments["verbose"] = 0  # one progress bar, the chief's
     chosen = (
-        steps_per_execution is None and model.steps_per_execution == 1 and not asks_for_batch_hooks(callbacks)
+        steps_per_execution is None and model.steps_per_execution == 1
+        and not asks_for_batch_hooks(callbacks, guarded=on_nonfinite != "ignore")
         # fit runs steps_per_execution steps per call of validation too, whatever
         # validation_steps says, and counts steps_per_epoch in host calls: 1 there.
         and not steps_per_epoch and not validation_steps
     )
     restore_leftover(model)  # a NaN doctor's guard left by a fit that raised
     patches = ModelPatches()  # everything this call changes on the model, put back at its end
+    if steps_per_execution is not None and int(model.steps_per_execution) != steps_per_execution:
+        # A model compiled before the call (train compiled nothing): for this call, as asked.
+        patches.set(model, "steps_per_execution", steps_per_execution)
     if strategy.num_replicas_in_sync > 1 and bool(model.jit_compile):
         # Keras' XLA step under several replicas accesses variables placed on the other
         # replicas' devices: fit itself raises InvalidArgumentError (TF 2.16-2.21).

@@ -496,6 +496,48 @@ def test_epoch_checkpoints_leave_train_several_steps_per_host_call_and_per_step_
         assert watch.seen == [steps] * epochs
 
 
+def test_steps_per_execution_given_to_train_holds_for_a_model_compiled_before_and_only_for_the_call():
+    model = make_model()
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    watch = _StepsPerCall()
+    history = train(model, make_dataset(), epochs=2, steps_per_execution=4, callbacks=[watch], verbose=0)
+    assert watch.seen == [4, 4] and history.steps == 2 * N_BATCHES
+    assert model.steps_per_execution == 1
+    with pytest.raises(ValueError, match="steps_per_execution must be >= 1"):
+        train(model, make_dataset(), steps_per_execution=0, verbose=0)
+
+
+def test_terminate_on_nan_leaves_the_guarded_train_several_steps_per_host_call_but_not_ignore():
+    # Under the guard a skipped step never reaches the logs, so TerminateOnNaN's per-step
+    # hook acts on nothing; with on_nonfinite="ignore" it must see every step's loss.
+    from companion.training.callbacks import asks_for_batch_hooks
+
+    class Custom(keras.callbacks.TerminateOnNaN):
+        def on_batch_end(self, batch, logs=None):
+            pass
+
+    terminate = keras.callbacks.TerminateOnNaN()
+    assert asks_for_batch_hooks([terminate]) and not asks_for_batch_hooks([terminate], guarded=True)
+    assert asks_for_batch_hooks([Custom()], guarded=True)
+    epochs = MIN_STEPS_FOR_LOOP // N_BATCHES
+    for mode, steps in (("skip", N_BATCHES), ("ignore", 1)):
+        watch = _StepsPerCall()
+        train(make_model(), make_dataset(), loss="mse", optimizer=keras.optimizers.SGD(0.01), epochs=epochs,
+              callbacks=[keras.callbacks.TerminateOnNaN(), watch], verbose=0, on_nonfinite=mode)
+        assert watch.seen == [steps] * epochs
+    # Guarded, several steps per call: the NaN batch is skipped in every epoch, and
+    # TerminateOnNaN never fires.
+    model, optimizer = make_model(), keras.optimizers.SGD(0.01)
+    history = train(model, make_dataset(poisoned=[2]), loss="mse", optimizer=optimizer, epochs=epochs,
+                    callbacks=[keras.callbacks.TerminateOnNaN()], verbose=0)
+    assert history.skipped == [2 + N_BATCHES * e for e in range(epochs)] and history.steps == epochs * N_BATCHES
+    assert int(optimizer.iterations) == epochs * (N_BATCHES - 1)
+    # Ignored, one step per call: TerminateOnNaN stops the run at the NaN batch, as under fit.
+    history = train(make_model(), make_dataset(poisoned=[2]), loss="mse", optimizer=keras.optimizers.SGD(0.01),
+                    epochs=epochs, callbacks=[keras.callbacks.TerminateOnNaN()], verbose=0, on_nonfinite="ignore")
+    assert history.steps == 3
+
+
 @pytest.mark.parametrize("epochs", [1, MIN_STEPS_FOR_LOOP // N_BATCHES - 1, MIN_STEPS_FOR_LOOP // N_BATCHES])
 def test_train_runs_an_epoch_per_host_call_only_on_a_call_of_at_least_min_steps(epochs):
     # A shorter call would pay more for tracing Keras' multi-step loop than it saves.
