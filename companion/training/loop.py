@@ -171,8 +171,9 @@ def train(
         x ... validation_freq: ``model.fit``'s arguments, same names and meaning.
         loss ... auto_scale_loss: ``model.compile``'s; if ``loss`` or ``optimizer`` is
             given the model is compiled (again only when they changed), else it must be
-            compiled already. A :class:`~companion.optimizers.SkipNonFinite` is
-            unwrapped (``train`` guards by itself).
+            compiled already (a ``steps_per_execution`` given here holds for the call
+            then too). A :class:`~companion.optimizers.SkipNonFinite` is unwrapped
+            (``train`` guards by itself).
         strategy: a ``tf.distribute.Strategy`` (default: the model's); the model and
             the optimizer must be created under its scope.
         clip_global_norm: if given (> 0), finite gradients are rescaled to this global
