@@ -196,7 +196,7 @@ class BatchTap:
         flat = tf.nest.flatten(spec)
         self._queue = None
         if all(type(s) is tf.TensorSpec for s in flat):  # noqa: E721 - not a subclass's composite
-            with tf.init_scope(), tf.device("/cpu:0"):
+            with tf.init_scope():
                 self._queue = tf.queue.FIFOQueue(-1, [s.dtype for s in flat], shapes=None)
         as_tuple = isinstance(spec, tuple)  # map hands a tuple's items as arguments
         queue = self._queue

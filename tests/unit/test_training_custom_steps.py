@@ -368,9 +368,13 @@ def test_the_doctor_s_rerun_of_a_custom_step_leaves_the_guard_counting_and_apply
                     max_consecutive_nonfinite=2, steps_per_execution=steps_per_execution)
 
     assert history.skipped == [0] and history.steps == 4
-    assert history.reports[0].diagnosis is not None
-    assert history.reports[0].diagnosis.cause == "singular_derivative"
     assert int(model.d_opt.iterations) == 3
+    if steps_per_execution == 1:
+        assert history.reports[0].diagnosis is not None
+        assert history.reports[0].diagnosis.cause == "singular_derivative"
+    # (With 4 steps per host call the doctor re-runs batch 0 after the call, on the
+    # weights of the 3 steps applied after it, where the prediction no longer equals the
+    # target: the batch is finite then, a limit diagnose_skipped_step documents.)
 
 
 class Overflowing(keras.Model):
