@@ -273,7 +273,9 @@ class NaNDoctor(keras.callbacks.Callback):
 
     def _max_kept_bytes(self) -> int:
         """The most bytes of fit's batches kept: a quarter of the weights' bytes, at least
-        4 MiB and at most :data:`MAX_KEPT_BYTES` (beyond: this epoch's, then the step's own)."""
+        4 MiB and at most :data:`MAX_KEPT_BYTES` (beyond: this epoch's, then the step's own),
+        checked when the tap's queue is collected (it holds the batches of up to
+        :data:`COLLECT_EVERY` steps between two collections, beside these)."""
         variables = self.model.trainable_variables
         if self._kept_limit is None or self._kept_limit[0] != len(variables):  # (a model built in its first step)
             weights = sum(_nbytes(v) for v in variables)
