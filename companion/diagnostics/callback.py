@@ -129,6 +129,7 @@ class NaNDoctor(keras.callbacks.Callback):
         self._tapped: dict[int, Any] = {}  # step index (from fit's start) -> the batch fit trained on
         self._tapped_bytes = 0
         self._kept_limit: tuple[int, int] | None = None  # (trainable variables, _max_kept_bytes)
+        self._collected_at = 0  # the steps run when the tap's queue was last collected
         self._lock = threading.Lock()
         self._produced = 0
         self._untap = None
@@ -214,6 +215,7 @@ class NaNDoctor(keras.callbacks.Callback):
 
     def _collect(self) -> None:
         """The batches fit's pipeline yielded since the last collection, into ``_tapped``."""
+        self._collected_at = self._steps
         if self._untap is not None:
             self._untap.collect()
 
@@ -295,7 +297,7 @@ class NaNDoctor(keras.callbacks.Callback):
                 self._untap.discard()  # (the tap stays until fit's end: its batches are not kept)
             return
         try:
-            if self._steps % COLLECT_EVERY == 0:
+            if self._steps >= self._collected_at + COLLECT_EVERY:
                 self._collect()
             records, _ = self._guard.drain()
             for row, record in enumerate(records):

@@ -830,3 +830,30 @@ def test_fit_with_shuffle_keeps_only_the_batches_it_can_re_run_and_says_from_whe
     model, x, y = regression(5e-3)
     doctor, _ = fit_with_doctor(model, x, y, shuffle=True)
     assert doctor.diagnosis.verified.endswith("(the failing step re-run from the weights before it)")
+
+
+def test_the_doctor_collects_the_tapped_batches_at_most_every_collect_every_steps_whatever_the_host_call(
+    monkeypatch,
+):
+    # The tap's queue holds fit's shuffled batches until the doctor collects them: every
+    # COLLECT_EVERY steps however many steps a host call runs (3 here never lands on a
+    # multiple of 16 before 48), so that the queue never holds an epoch of batches.
+    from companion._internal.keras_trainer import BatchTap
+
+    seen = []
+    original = BatchTap.collect
+
+    def collect(self):
+        seen.append(doctor._steps)
+        return original(self)
+
+    monkeypatch.setattr(BatchTap, "collect", collect)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", steps_per_execution=3)
+    x = np.random.default_rng(0).normal(size=(48 * 4, 4)).astype("float32")
+    doctor = NaNDoctor(verbose=False)
+    model.fit(x, x[:, :1], batch_size=4, epochs=1, shuffle=True, verbose=0, callbacks=[doctor])
+    points = [0, *seen, 48]
+    assert max(b - a for a, b in zip(points, points[1:])) <= callback_module.COLLECT_EVERY + 3
+    assert doctor.diagnosis is None
