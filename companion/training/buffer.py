@@ -14,7 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 from companion.training.records import APPLIED, COLUMNS
-from companion.training.values import all_finite
+from companion.training.values import all_finite, read
 
 #: Sync-on-read variables: each replica writes its own copy, the host reads the first.
 ON_READ = dict(
@@ -144,16 +144,11 @@ class RecordBuffer:
             self.written.assign(0)
             counts = (lambda: tf.convert_to_tensor(self.counts).numpy()[:n])
         else:
-            n = min(int(_value(self.written)), self.capacity)
-            records = _value(self.records)[:n]
+            n = min(int(read(self.written).numpy()), self.capacity)
+            records = read(self.records).numpy()[:n]
             if n:
                 tf.raw_ops.AssignVariableOp(resource=self.written.handle, value=self._zero)
-            counts = (lambda: _value(self.counts)[:n])
+            counts = (lambda: read(self.counts).numpy()[:n])
         if not guard or records[:, APPLIED].all():
             return records, None
         return records, counts()
-
-
-def _value(variable) -> np.ndarray:
-    """The variable's value on the host, read straight from its handle (one replica)."""
-    return tf.raw_ops.ReadVariableOp(resource=variable.handle, dtype=variable.dtype).numpy()
