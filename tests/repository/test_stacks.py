@@ -62,10 +62,12 @@ def test_ci_runs_the_stacks_after_the_locked_suite():
     assert "python -m pytest" in ci and "STACKS_PHASE=test STACKS_PARTS=" in ci
     assert ci.index("python -m pytest") < ci.index("STACKS_PHASE=test STACKS_PARTS=")
     assert ci.index("STACKS_PHASE=install bash .ci/stacks.sh") < ci.index("STACKS_PHASE=test STACKS_PARTS=")
-    # Every part of every stack, whichever lane runs it.
+    # The unit tests of both stacks, whichever lane runs them.
     assert "STACKS_PHASE=test STACKS_PARTS=unit bash .ci/stacks.sh colab" in ci
     assert "STACKS_PHASE=test STACKS_PARTS=unit bash .ci/stacks.sh oldest" in ci
-    assert "STACKS_PHASE=test STACKS_PARTS=chapters bash .ci/stacks.sh colab oldest" in ci
+    # The chapters on Colab's stack, where readers run them (DESIGN.md); the oldest stack
+    # is the package's floor: its unit tests.
+    assert "STACKS_PHASE=test STACKS_PARTS=chapters bash .ci/stacks.sh colab ||" in ci
 
 
 def test_ci_runs_keras_tests_of_fit_through_train_on_the_lock_and_the_colab_stack():
