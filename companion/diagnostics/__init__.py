@@ -33,7 +33,9 @@ is the culprit), ``remedies`` (a remedy for the case, applied to a copy of the f
 verified: a clamp on the user's line, a layer's float32 policy, the batch without its
 NaN rows, or a smaller learning rate or ``clipnorm`` re-run over ``fit``'s steps),
 ``rewrites`` (the remedy written against the user's line, and the clamp that applies it
-to the calls from that line for a re-run),
+to the calls from that line for a re-run), ``line_rewrite`` (a remedy that rewrites the
+user's statement, applied for one re-run), ``user_line`` (how the user's line spells an
+op, and what its names are),
 ``capsule_file`` (the failing step as one file, written by :meth:`Diagnosis.save`),
 ``capsule`` (:func:`replay`) and ``__main__``
 (``python -m companion.diagnostics``).

@@ -64,7 +64,7 @@ patched function are put back afterwards, also when the re-run fails. What is ve
   ``exp(x) / reduce_sum(exp(x))`` as ``softmax``, ``x / norm(x)`` as ``l2_normalize``, a
   finite mask instead of ``-inf``): the failing step re-run eagerly with the code of the
   function that holds the line compiled again from its source with that statement
-  rewritten as printed (:class:`~companion.diagnostics.rewrites.LineRewrite`), and put
+  rewritten as printed (:class:`~companion.diagnostics.line_rewrite.LineRewrite`), and put
   back afterwards.
 
 Where a case has several remedies (:func:`candidates`), each is checked in turn and the

@@ -24,23 +24,17 @@ import math
 import os
 import re
 import sys
-import types
 
 import numpy as np
 import tensorflow as tf
 
+from companion.diagnostics import user_line
+from companion.diagnostics.line_rewrite import (
+    LineRewrite, double_where, finite_mask, l2_normalize, line_rewritten, softmax, softplus,
+)
+from companion.diagnostics.user_line import SPELLING
+
 __all__ = ["Clamp", "LineRewrite", "choice", "choose", "verify_clamp"]
-
-# --------------------------------------------------------------------------------------
-# The remedy written against the user's line
-# --------------------------------------------------------------------------------------
-
-#: How the user's code spells an op (what the remedy rewrites).
-SPELLING = {
-    "Sqrt": "tf.sqrt", "Log": "tf.math.log", "Pow": "tf.pow", "Acos": "tf.acos", "Asin": "tf.asin",
-    "Exp": "tf.exp", "Lgamma": "tf.math.lgamma", "Atan2": "tf.atan2", "Angle": "tf.math.angle",
-    "Rsqrt": "tf.math.rsqrt", "Reciprocal": "tf.math.reciprocal",
-}
 
 
 def _eps(dtype: str | None) -> float:
@@ -123,16 +117,6 @@ def _inside_library(at: str, op: str, line: str, eps: float) -> tuple[str, "Clam
 SAFE_CANDIDATES = (1.0, 0.0, 0.5, 2.0, -1.0)
 
 #: How a branch spells an op (besides the ``SPELLING`` of the op's own call).
-_BRANCH_SPELLING = {
-    "RealDiv": ("/", "divide", "truediv", "realdiv", "reciprocal"), "Div": ("/", "divide", "div"),
-    "Reciprocal": ("/", "reciprocal"), "Inv": ("/", "reciprocal"), "Pow": ("**", "pow", "power"),
-    "Log": ("log",), "Log1p": ("log1p",), "Exp": ("exp",), "Sqrt": ("sqrt",), "Rsqrt": ("rsqrt",),
-}
-
-#: Packages whose functions a branch may call when the safe value is tried on it.
-_PURE = ("tensorflow", "keras", "numpy", "math", "companion")
-
-
 def _where_trap(at: str, op: str | None, source: str | None, code: str, dtype: str | None) -> str:
     """The double where for a ``where_trap``, with a safe value at which the branch is finite.
 
@@ -151,82 +135,6 @@ def _where_trap(at: str, op: str | None, source: str | None, code: str, dtype: s
             "and its gradient are finite")
 
 
-def _expression(source: str | None, code: str):
-    """The expression of the user's statement (a ``return``'s or an assignment's value), or ``None``.
-
-    The statement is the line alone, else the line continued on the next one or two.
-    """
-    texts = [code.strip()]
-    filename, _, number = (source or "").rpartition(":")
-    if filename and number.isdigit():
-        lines = [linecache.getline(filename, int(number) + k).strip() for k in range(3)]
-        texts += [" ".join(lines[:2]), " ".join(lines)]
-    for text in texts:
-        try:
-            tree = ast.parse(text)
-        except SyntaxError:
-            continue
-        value = getattr(tree.body[0], "value", None) if len(tree.body) == 1 else None
-        if isinstance(value, ast.expr):
-            return value
-    return None
-
-
-def _branches(expression) -> list:
-    """The branches of the first ``where(c, a, b)`` call in ``expression``, or ``[expression]``."""
-    for node in ast.walk(expression):
-        if isinstance(node, ast.Call) and _last_name(node.func) == "where":
-            branches = list(node.args[1:3]) + [k.value for k in node.keywords if k.arg in ("x", "y", "x1", "x2")]
-            if branches:
-                return branches
-    return [expression]
-
-
-def _last_name(node) -> str:
-    if isinstance(node, ast.Attribute):
-        return node.attr
-    return node.id if isinstance(node, ast.Name) else ""
-
-
-def _holds(branch, op: str | None) -> bool:
-    """Whether ``branch`` spells ``op`` (a call of its name, or its operator)."""
-    names = set(_BRANCH_SPELLING.get(op or "", ()))
-    spelled = SPELLING.get(op or "", "").rpartition(".")[2]
-    if spelled:
-        names.add(spelled)
-    for node in ast.walk(branch):
-        if isinstance(node, ast.BinOp):
-            if isinstance(node.op, ast.Div) and "/" in names or isinstance(node.op, ast.Pow) and "**" in names:
-                return True
-        if isinstance(node, ast.Call) and _last_name(node.func) in names:
-            return True
-    return False
-
-
-def _resolve(node, namespace: dict):
-    """The object an attribute chain (``tf.math.log``) names, or ``None``."""
-    if isinstance(node, ast.Name):
-        return namespace.get(node.id, getattr(builtins, node.id, None))
-    if isinstance(node, ast.Attribute):
-        holder = _resolve(node.value, namespace)
-        return None if holder is None else getattr(holder, node.attr, None)
-    return None
-
-
-def _pure(obj) -> bool:
-    """A module or function of TensorFlow, Keras, NumPy or math (safe to call on a constant)."""
-    name = obj.__name__ if isinstance(obj, types.ModuleType) else getattr(obj, "__module__", None) or ""
-    if isinstance(obj, np.ufunc):
-        return True
-    return name.split(".")[0] in _PURE
-
-
-def _free(name: str, namespace: dict) -> bool:
-    """Whether the branch's ``name`` is the where's input (not a module, function or number)."""
-    known = namespace.get(name, getattr(builtins, name, None))
-    return not (isinstance(known, (types.ModuleType, int, float)) or callable(known))
-
-
 def _finite_at(branch, namespace: dict, value: float, dtype) -> bool:
     """Whether ``branch``, with its free names at ``value``, has a finite value and gradient."""
     try:
@@ -234,7 +142,7 @@ def _finite_at(branch, namespace: dict, value: float, dtype) -> bool:
             point = tf.constant(value, dtype)
             scope = dict(namespace)
             scope.update({node.id: point for node in ast.walk(branch)
-                          if isinstance(node, ast.Name) and _free(node.id, namespace)})
+                          if isinstance(node, ast.Name) and user_line.free(node.id, namespace)})
             with tf.GradientTape() as tape:
                 tape.watch(point)
                 result = tf.convert_to_tensor(
@@ -254,19 +162,19 @@ def _safe_value(op: str | None, source: str | None, code: str, dtype: str | None
         dtype = tf.float32
     if not (dtype.is_floating or dtype.is_complex):
         dtype = tf.float32
-    expression = _expression(source, code)
+    expression = user_line.expression(source, code)
     if expression is None:
         return None
     filename = source.rpartition(":")[0] if source else ""
-    namespace = dict((_module_of(filename) if filename else None) or {})
+    namespace = dict((user_line.module_of(filename) if filename else None) or {})
     namespace.update({k: v for k, v in {"tf": tf, "np": np, "math": math}.items() if k not in namespace})
     for node in ast.walk(expression):
         if isinstance(node, ast.Call):
-            function = _resolve(node.func, namespace)
-            if function is None or not _pure(function):
+            function = user_line.resolve(node.func, namespace)
+            if function is None or not user_line.pure(function):
                 return None  # a call the doctor will not make on the user's behalf
-    branches = _branches(expression)
-    tried = [b for b in branches if _holds(b, op)] or branches
+    branches = user_line.branches(expression)
+    tried = [b for b in branches if user_line.holds(b, op)] or branches
     for value in SAFE_CANDIDATES:
         if all(_finite_at(branch, namespace, value, dtype) for branch in tried):
             return value
@@ -387,13 +295,13 @@ def choice(d) -> tuple[str | None, "Clamp | None"]:
     if d.cause == "where_trap":
         safe = _safe_value(op, d.source, line, d.dtype)
         return _where_trap(at, op, d.source, line, d.dtype), (
-            None if safe is None else LineRewrite(_double_where(op, safe), f"the double where (safe value {safe!r})"))
+            None if safe is None else LineRewrite(double_where(op, safe), f"the double where (safe value {safe!r})"))
     if d.cause == "label_out_of_range":
         return _labels_on_line(at, line, d.inputs_summary or "")
     if d.cause == "inf_arithmetic" and re.search(r"-\s*(np\.|math\.|float\(\")?inf", code):
         mask = -3e4 if d.dtype in ("float16", "bfloat16") else -1e9
         return (f"{at}a large finite negative mask instead of -inf: -1e9 (float32) or -3e4 (float16)",
-                LineRewrite(_finite_mask(mask), f"-inf replaced by {mask:g}"))
+                LineRewrite(finite_mask(mask), f"-inf replaced by {mask:g}"))
     edge = _gradient_edge(d, at, line, eps)
     if edge is not None:
         return edge
@@ -432,7 +340,7 @@ def choice(d) -> tuple[str | None, "Clamp | None"]:
         if re.search(r"\b(tf\.norm|tf\.linalg\.norm|ops\.norm|euclidean_norm)\(", code):
             return (f"{at}x / norm(x) -> tf.math.l2_normalize(x, axis) (a norm in the denominator: "
                     "tf.math.divide_no_nan leaves the norm's own 0/0 gradient)"), LineRewrite(
-                        _l2_normalize, "x / norm(x) rewritten as tf.math.l2_normalize(x, axis)")
+                        l2_normalize, "x / norm(x) rewritten as tf.math.l2_normalize(x, axis)")
         if op in ("Rsqrt",):
             return (f"{at}tf.math.rsqrt(x) -> tf.math.rsqrt(tf.maximum(x, {eps:.3g}))",
                     Clamp(spelled, _first(lambda x: tf.maximum(x, _like(eps, x))),
@@ -442,10 +350,10 @@ def choice(d) -> tuple[str | None, "Clamp | None"]:
     if d.cause == "overflow" and op == "Exp":
         if re.search(r"log\(\s*1(\.0*)?\s*\+", code):
             return f"{at}tf.math.log(1 + tf.exp(x)) -> tf.nn.softplus(x)", LineRewrite(
-                _softplus, "log(1 + exp(x)) rewritten as tf.nn.softplus(x)")
+                softplus, "log(1 + exp(x)) rewritten as tf.nn.softplus(x)")
         if re.search(r"reduce_sum\(", code):
             return f"{at}exp(x) / reduce_sum(exp(x)) -> tf.nn.softmax(x, axis) (exp of x - max(x))", LineRewrite(
-                _softmax, "exp(x) / reduce_sum(exp(x)) rewritten as tf.nn.softmax(x, axis)")
+                softmax, "exp(x) / reduce_sum(exp(x)) rewritten as tf.nn.softmax(x, axis)")
         limit = _exp_limit(d.dtype)
         return (f"{at}tf.exp(x) -> tf.exp(tf.minimum(x, {limit:g})) (half the log of "
                 f"{d.dtype or 'float32'}'s max: exp of it, even squared, is finite)",
@@ -567,18 +475,6 @@ def _division_clamp(line: str) -> "Clamp":
     return Clamp(spelled or ("/",), call, "divide_no_nan instead of the division")
 
 
-def _module_of(filename: str):
-    """The namespace (a module's ``__dict__``) whose code is in ``filename``."""
-    target = os.path.realpath(filename)
-    name = os.path.basename(target)
-    for module in list(sys.modules.values()):
-        path = getattr(module, "__file__", None)
-        if isinstance(path, str) and os.path.basename(path) == name and os.path.realpath(path) == target:
-            return vars(module)
-    main = sys.modules.get("__main__")
-    return vars(main) if main is not None else None  # a notebook's cell or a script
-
-
 def _holders(namespace: dict, line: str, name: str) -> list[tuple[Any, str]]:
     """``(object, attribute)`` pairs that the line's spellings of ``name(`` look up."""
     found = []
@@ -635,7 +531,7 @@ def _patched(clamp: Clamp, filename: str, lineno: int, line: str):
                         undo.append((cls, dunder, vars(cls)[dunder]))
                         setattr(cls, dunder, wrap(vars(cls)[dunder], swap))
         else:
-            namespace = _module_of(filename)
+            namespace = user_line.module_of(filename)
             for name in clamp.names:
                 for holder, attribute in _holders(namespace or {}, line, name):
                     if isinstance(holder, dict):
@@ -662,7 +558,7 @@ def verify_clamp(d, clamp: Clamp, finite_run: Callable[[], bool]) -> str | None:
         lineno = int(number)
     except ValueError:
         return None
-    patched = _line_rewritten(clamp, filename, lineno) if isinstance(clamp, LineRewrite) else _patched(
+    patched = line_rewritten(clamp, filename, lineno) if isinstance(clamp, LineRewrite) else _patched(
         clamp, filename, lineno, d.code)
     with patched as applied:
         finite = finite_run()
@@ -671,300 +567,3 @@ def verify_clamp(d, clamp: Clamp, finite_run: Callable[[], bool]) -> str | None:
     at = f"{os.path.basename(filename)}:{lineno}"
     return (f"verified: the step is finite with {clamp.what} at {at}" if finite
             else f"not verified: the step is still non-finite with {clamp.what} at {at}")
-
-
-# --------------------------------------------------------------------------------------
-# A rewritten line (a formula, a double where, a literal), applied for one re-run
-# --------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class LineRewrite:
-    """How :func:`verify_clamp` applies a remedy that rewrites the user's statement, not one call.
-
-    Attributes:
-        transform: ``transform(statement, namespace, function)`` rewrites the statement's
-            AST in place (``namespace``: the function's globals; ``function``: the
-            definition that holds it, for a formula that the next lines finish) and
-            says whether it changed.
-        what: the remedy in a few words, for the report.
-    """
-
-    transform: Callable[[ast.AST, dict, ast.AST], bool]
-    what: str
-
-
-_TF = "__import__('tensorflow')"
-
-
-def _expr(text: str) -> ast.expr:
-    return ast.parse(text, mode="eval").body
-
-
-def _same(a, b) -> bool:
-    return ast.dump(a) == ast.dump(b)
-
-
-def _called(node, *names: str) -> bool:
-    return isinstance(node, ast.Call) and _last_name(node.func) in names
-
-
-def _replace_nodes(tree: ast.AST, replace: Callable[[ast.AST], "ast.AST | None"]) -> bool:
-    """Every node for which ``replace`` returns a node, replaced by it (outermost first)."""
-    changed = False
-
-    class Swap(ast.NodeTransformer):
-        def visit(self, node):
-            nonlocal changed
-            new = replace(node)
-            if new is not None:
-                changed = True
-                return ast.copy_location(new, node)
-            return self.generic_visit(node)
-
-    Swap().visit(tree)
-    return changed
-
-
-def _softplus(statement, namespace, function=None) -> bool:
-    """``log(1 + exp(x))`` -> ``tf.nn.softplus(x)``."""
-
-    def replace(node):
-        if _called(node, "log") and len(node.args) == 1 and isinstance(node.args[0], ast.BinOp):
-            total = node.args[0]
-            if isinstance(total.op, ast.Add):
-                for one, other in ((total.left, total.right), (total.right, total.left)):
-                    if isinstance(one, ast.Constant) and one.value == 1 and _called(other, "exp") and other.args:
-                        call = _expr(f"{_TF}.nn.softplus(x)")
-                        call.args = [other.args[0]]
-                        return call
-        return None
-
-    return _replace_nodes(statement, replace)
-
-
-def _softmax(statement, namespace, function=None) -> bool:
-    """``exp(x) / reduce_sum(exp(x), axis)`` -> ``tf.nn.softmax(x, axis)``."""
-
-    def replace(node):
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and _called(node.left, "exp"):
-            total = node.right
-            if _called(total, "reduce_sum", "sum") and total.args and _called(total.args[0], "exp") \
-                    and _same(total.args[0].args[0], node.left.args[0]):
-                axis = total.args[1] if len(total.args) > 1 else next(
-                    (k.value for k in total.keywords if k.arg == "axis"), ast.Constant(-1))
-                call = _expr(f"{_TF}.nn.softmax(x, axis=-1)")
-                call.args, call.keywords[0].value = [node.left.args[0]], axis
-                return call
-        return None
-
-    if _replace_nodes(statement, replace):
-        return True
-    # e = exp(x) on this line, e / reduce_sum(e, axis) on a later one: the later one becomes softmax(x, axis)
-    if function is None or not (isinstance(statement, ast.Assign) and len(statement.targets) == 1
-                                and isinstance(statement.targets[0], ast.Name) and _called(statement.value, "exp")):
-        return False
-    name, argument = statement.targets[0].id, statement.value.args[0]
-
-    def later(node):
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and isinstance(node.left, ast.Name) \
-                and node.left.id == name and _called(node.right, "reduce_sum", "sum") and node.right.args \
-                and isinstance(node.right.args[0], ast.Name) and node.right.args[0].id == name:
-            total = node.right
-            axis = total.args[1] if len(total.args) > 1 else next(
-                (k.value for k in total.keywords if k.arg == "axis"), ast.Constant(-1))
-            call = _expr(f"{_TF}.nn.softmax(x, axis=-1)")
-            call.args, call.keywords[0].value = [argument], axis
-            return call
-        return None
-
-    rest = [n for n in function.body if n.lineno > statement.lineno]
-    return any([_replace_nodes(n, later) for n in rest])
-
-
-def _l2_normalize(statement, namespace, function=None) -> bool:
-    """``x / norm(x, axis)`` -> ``tf.math.l2_normalize(x, axis)``."""
-
-    def replace(node):
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and _called(
-                node.right, "norm", "reduce_euclidean_norm") and node.right.args \
-                and _same(node.right.args[0], node.left):
-            norm = node.right
-            axis = next((k.value for k in norm.keywords if k.arg == "axis"), None)
-            if axis is None and len(norm.args) > 1 and _last_name(norm.func) == "reduce_euclidean_norm":
-                axis = norm.args[1]
-            call = _expr(f"{_TF}.math.l2_normalize(x, axis=-1)")
-            call.args, call.keywords[0].value = [node.left], axis if axis is not None else ast.Constant(None)
-            return call
-        # a cosine: reduce_sum(a * b, axis) / (norm(a, axis) * norm(b, axis)) -> the sum of the normalised
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and _called(node.left, "reduce_sum") \
-                and node.left.args and isinstance(node.left.args[0], ast.BinOp) \
-                and isinstance(node.left.args[0].op, ast.Mult) and isinstance(node.right, ast.BinOp) \
-                and isinstance(node.right.op, ast.Mult) and _called(node.right.left, "norm") \
-                and _called(node.right.right, "norm"):
-            a, b = node.left.args[0].left, node.left.args[0].right
-            norms = [node.right.left, node.right.right]
-            if {ast.dump(n.args[0]) for n in norms if n.args} == {ast.dump(a), ast.dump(b)}:
-                axis = next((k.value for k in norms[0].keywords if k.arg == "axis"), ast.Constant(None))
-                unit = [_expr(f"{_TF}.math.l2_normalize(x, axis=-1)") for _ in (a, b)]
-                for call, value in zip(unit, (a, b)):
-                    call.args, call.keywords[0].value = [value], axis
-                total = node.left
-                total.args[0] = ast.BinOp(unit[0], ast.Mult(), unit[1])
-                return total
-        return None
-
-    return _replace_nodes(statement, replace)
-
-
-def _finite_mask(value: float):
-    """``-inf`` (``-np.inf``, ``float("-inf")``, ``-math.inf``) -> a large finite negative number."""
-
-    def transform(statement, namespace, function=None) -> bool:
-        def replace(node):
-            inner = node.operand if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) else None
-            if inner is not None and (isinstance(inner, ast.Attribute) and inner.attr in ("inf", "Inf", "infty")
-                                      or _called(inner, "float") and inner.args
-                                      and getattr(inner.args[0], "value", None) in ("inf", "Inf")):
-                return ast.Constant(value)
-            if _called(node, "float") and node.args and getattr(node.args[0], "value", None) in ("-inf", "-Inf"):
-                return ast.Constant(value)
-            return None
-
-        return _replace_nodes(statement, replace)
-
-    return transform
-
-
-def _double_where(op: str | None, safe: float):
-    """``tf.where(c, f(x), y)`` -> ``tf.where(c, f(tf.where(c, x, safe)), y)`` for the branch holding ``op``."""
-
-    def transform(statement, namespace, function=None) -> bool:
-        call = next((n for n in ast.walk(statement) if _called(n, "where") and len(n.args) >= 3), None)
-        if call is None:
-            return False
-        condition = call.args[0]
-        branches = [b for b in call.args[1:3] if _holds(b, op)] or list(call.args[1:3])
-        changed = False
-        for branch in branches:
-            callees = {id(n.func) for n in ast.walk(branch) if isinstance(n, ast.Call)}
-
-            index = call.args.index(branch)
-
-            def replace(node, callees=callees, selected=index == 1):
-                if isinstance(node, ast.Name) and id(node) not in callees and isinstance(node.ctx, ast.Load) \
-                        and _free(node.id, namespace):
-                    guarded = _expr(f"{_TF}.where(c, x, {safe!r})")
-                    value = ast.Name(node.id, ast.Load())
-                    # the branch taken where c holds sees x there; the other one where c does not
-                    guarded.args = [condition, value, guarded.args[2]] if selected else [
-                        condition, guarded.args[2], value]
-                    return guarded
-                return None
-
-            holder = ast.Expression(branch)
-            changed = _replace_nodes(holder, replace) or changed
-            call.args[index] = holder.body
-        return changed
-
-    return transform
-
-
-def _code_objects(code, filename: str):
-    yield code
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType) and const.co_filename == filename:
-            yield from _code_objects(const, filename)
-
-
-def _lines_of(code) -> set:
-    return {line for _, _, line in code.co_lines() if line is not None}
-
-
-def _innermost_code(filename: str, lineno: int):
-    """The innermost code object of ``filename`` whose lines include ``lineno``, from its module's functions."""
-    namespace = _module_of(filename) or {}
-    roots, seen = [], set()
-
-    def visit(obj, depth=0):
-        if id(obj) in seen or depth > 3:
-            return
-        seen.add(id(obj))
-        function = getattr(obj, "python_function", obj)  # a tf.function
-        function = getattr(function, "__func__", function)
-        code = getattr(function, "__code__", None)
-        if isinstance(code, types.CodeType) and os.path.realpath(code.co_filename) == os.path.realpath(filename):
-            roots.append(code)
-        if isinstance(obj, type) and getattr(obj, "__module__", None) == namespace.get("__name__"):
-            for value in vars(obj).values():
-                visit(value, depth + 1)
-
-    for value in list(namespace.values()):
-        visit(value)
-    best = None
-    for root in roots:
-        for code in _code_objects(root, root.co_filename):
-            if lineno in _lines_of(code) and (best is None or len(_lines_of(code)) < len(_lines_of(best))):
-                best = code
-    return best
-
-
-def _rewritten_code(function, lineno: int, rewrite: LineRewrite):
-    """``function``'s code with the statement at ``lineno`` rewritten, or ``None``."""
-    import inspect  # noqa: PLC0415
-    import textwrap  # noqa: PLC0415
-
-    code = function.__code__
-    try:
-        source = textwrap.dedent(inspect.getsource(function))
-    except (OSError, TypeError):
-        return None
-    tree = ast.parse(source)
-    definition = tree.body[0]
-    if not isinstance(definition, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        return None
-    definition.decorator_list = []
-    ast.increment_lineno(tree, code.co_firstlineno - definition.lineno)
-    statements = [n for n in ast.walk(definition) if isinstance(n, ast.stmt) and n is not definition
-                  and n.lineno <= lineno <= (n.end_lineno or n.lineno)]
-    if not statements:
-        return None
-    statement = min(statements, key=lambda n: (n.end_lineno or n.lineno) - n.lineno)
-    if not rewrite.transform(statement, function.__globals__, definition):
-        return None
-    free = list(code.co_freevars)
-    outer = ast.parse(f"def __rewritten__():\n    {' = '.join(free + ['None']) if free else 'pass'}\n"
-                      f"    return None").body[0]
-    outer.body = [outer.body[0], definition, ast.Return(ast.Name(definition.name, ast.Load()))]
-    module = ast.Module([outer], [])
-    ast.fix_missing_locations(module)
-    scope: dict = {}
-    exec(compile(module, code.co_filename, "exec"), dict(function.__globals__), scope)  # noqa: S102
-    new = scope["__rewritten__"]().__code__
-    return new if new.co_freevars == code.co_freevars else None
-
-
-@contextlib.contextmanager
-def _line_rewritten(rewrite: LineRewrite, filename: str, lineno: int):
-    """Every live function whose code holds ``filename:lineno`` runs with that statement rewritten.
-
-    Yields a list that is not empty when the rewrite was applied; every function's code
-    is put back when the block ends, also on an error.
-    """
-    import gc  # noqa: PLC0415
-
-    applied: list[int] = []
-    code = _innermost_code(filename, lineno)
-    functions = [] if code is None else [f for f in gc.get_referrers(code) if isinstance(f, types.FunctionType)]
-    undo = []
-    try:
-        for function in functions:
-            new = _rewritten_code(function, lineno, rewrite)
-            if new is not None:
-                undo.append((function, function.__code__))
-                function.__code__ = new
-                applied.append(1)
-        yield applied
-    finally:
-        for function, original in undo:
-            function.__code__ = original
