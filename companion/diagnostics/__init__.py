@@ -31,7 +31,8 @@ step :func:`companion.training.train` skips, under any strategy and on every wor
 ``step`` (a model's own ``train_step`` as the doctor runs it, and which non-finite op
 is the culprit), ``remedies`` (a remedy for the case, applied to a copy of the failing step and
 verified: a clamp on the user's line, a layer's float32 policy, the batch without its
-NaN rows, or a smaller learning rate or ``clipnorm`` re-run over ``fit``'s steps),
+NaN rows, a label fix), ``optimizer_remedies`` (a smaller learning rate, ``clipnorm`` or
+a fixed schedule, re-run over ``fit``'s steps; the causes read from the run),
 ``rewrites`` (the remedy written against the user's line, and the clamp that applies it
 to the calls from that line for a re-run), ``line_rewrite`` (a remedy that rewrites the
 user's statement, applied for one re-run), ``user_line`` (how the user's line spells an

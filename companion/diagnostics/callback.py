@@ -17,7 +17,8 @@ from companion import _internal
 from companion.diagnostics.data import _unpack, batches
 from companion.diagnostics.diagnosis import Diagnosis, replace
 from companion.diagnostics.doctor import diagnose
-from companion.diagnostics.remedies import LOW_PRECISION, MAX_STEPS, STEP_CAUSES, Steps, verify
+from companion.diagnostics.optimizer_remedies import MAX_STEPS, Steps
+from companion.diagnostics.remedies import LOW_PRECISION, STEP_CAUSES, verify
 from companion.diagnostics.step import step_variables
 from companion.training.patches import ModelPatches, hold_until_fit_ends, restore_leftover
 from companion.training.records import APPLIED, LOSS

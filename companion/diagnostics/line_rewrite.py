@@ -26,7 +26,8 @@ __all__ = ["LineRewrite", "double_where", "finite_mask", "l2_normalize", "line_r
 
 @dataclasses.dataclass(frozen=True)
 class LineRewrite:
-    """How :func:`~companion.diagnostics.rewrites.verify_clamp` applies a remedy that rewrites the user's statement, not one call.
+    """How :func:`~companion.diagnostics.rewrites.verify_clamp` applies a remedy that rewrites
+    the user's statement, not one call.
 
     Attributes:
         transform: ``transform(statement, namespace, function)`` rewrites the statement's

@@ -26,7 +26,6 @@ import numpy as np
 import tensorflow as tf
 
 from companion import _internal
-from companion.diagnostics.gradients import _variable_path
 
 __all__ = ["OwnStepScan", "culprit", "optimizers_of", "step_variables", "uses_own_step"]
 

@@ -25,7 +25,6 @@ import math
 import os
 import re
 import weakref
-from typing import Any
 
 import keras
 import numpy as np

@@ -736,12 +736,12 @@ def test_a_failing_check_is_a_not_verified_sentence_and_the_patch_is_put_back(mo
 
 
 def test_the_doctor_never_raises_into_fit_when_a_divergence_check_fails(monkeypatch):
-    from companion.diagnostics import remedies  # noqa: PLC0415
+    from companion.diagnostics import optimizer_remedies  # noqa: PLC0415
 
     def broken(*args, **kwargs):
         raise RuntimeError("the re-run broke")
 
-    monkeypatch.setattr(remedies, "_rerun_steps", broken)
+    monkeypatch.setattr(optimizer_remedies, "_rerun_steps", broken)
     model, x, y = regression(5e-3)
     doctor, history = fit_with_doctor(model, x, y)
     assert doctor.diagnosis.cause == "divergence"
