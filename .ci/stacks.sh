@@ -13,7 +13,9 @@
 #      train as well (.ci/keras_suite.sh);
 #   3. every chapter (book/**/*.ipynb), copied to a temporary folder outside the repository
 #      and executed there, as in Colab: no output comparison (that stays on the lock), but
-#      no cell may raise unless it is tagged raises-exception.
+#      no cell may raise unless it is tagged raises-exception. Not on a stack whose pins
+#      say '# chapters: no' (the oldest: the package's floor for users' own training
+#      code, where its unit tests run; readers run the chapters on Colab's stack).
 # Each stage prints its time; a failed stage does not stop the others (the exit code says).
 # STACKS_PHASE=install only makes the environments (steps 1; .ci/run starts that in the
 # background while the locked suite runs), STACKS_PHASE=test only runs steps 2-3 in them;
@@ -120,7 +122,9 @@ for name in "${stacks[@]}"; do
         fi
     fi
 
-    if [ "$parts" != unit ]; then
+    if [ "$parts" != unit ] && grep -q '^# *chapters: *no' "$pins"; then
+        echo "== $name: the chapters do not run on this stack ($pins: '# chapters: no')"
+    elif [ "$parts" != unit ]; then
         stage "$name: every chapter, outside the repository"
         "$env/bin/python" -I "$ROOT/.ci/execute_chapters.py" "$ROOT/book" || failed+=("$name: chapters")
         stage_done "$name: chapters"

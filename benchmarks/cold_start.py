@@ -139,7 +139,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one round, 1 epoch, the small model (seconds)")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--json", metavar="PATH", help="also write the ratios (and the split) as JSON")
+    parser.add_argument("--json", metavar="PATH",
+                        help="also write the ratios (and the split, and each variant's median seconds) as JSON")
     args = parser.parse_args(argv)
     rounds = 1 if args.quick else args.rounds
     lengths = (1,) if args.quick else (1, 3, 10)
@@ -151,7 +152,7 @@ def main(argv=None) -> int:
     for variant in VARIANTS:
         run(variant, spec, x, y, 1)
 
-    rows, splits = [], {}
+    rows, splits, seconds = [], {}, {}
     print(f"{'model':<14}{'epochs':>6}  {'train':>7}{'unguarded':>10}{'fit':>7}{'fit XLA':>8}  (median seconds)")
     for name, spec in models.items():
         x, y = data(spec[0], spec[3])
@@ -165,6 +166,7 @@ def main(argv=None) -> int:
                     walls[variant].append(wall)
                     cpus[variant].append(cpu)
             medians = {v: statistics.median(walls[v]) for v in VARIANTS}
+            seconds.setdefault(name, {})[str(epochs)] = {v: round(medians[v], 4) for v in VARIANTS}
             print(f"{name:<14}{epochs:>6}  {medians['train']:>7.2f}{medians['train_unguarded']:>10.2f}"
                   f"{medians['fit']:>7.2f}{medians['fit_xla']:>8.2f}", flush=True)
             measured = [("train / fit", "fit", TARGET)]
@@ -189,7 +191,9 @@ def main(argv=None) -> int:
     if args.json:
         from _results import write_results
 
-        write_results(args.json, "cold_start", rows, extra={"split": splits})
+        # "seconds": the median wall seconds of each variant's whole call, per model and
+        # length (fit with jit_compile=True among them: what XLA's compile costs a first call).
+        write_results(args.json, "cold_start", rows, extra={"split": splits, "seconds": seconds})
     return 0
 
 

@@ -31,8 +31,11 @@ step :func:`companion.training.train` skips, under any strategy and on every wor
 ``step`` (a model's own ``train_step`` as the doctor runs it, and which non-finite op
 is the culprit), ``remedies`` (a remedy for the case, applied to a copy of the failing step and
 verified: a clamp on the user's line, a layer's float32 policy, the batch without its
-NaN rows, a label fix), ``optimizer_remedies`` (a smaller learning rate, ``clipnorm`` or
-a fixed schedule, re-run over ``fit``'s steps; the causes read from the run),
+NaN rows, a label fix), ``optimizer_remedies`` (a smaller or a positive learning rate,
+``clipnorm`` or a fixed schedule, re-run over ``fit``'s steps; the causes read from the
+run), ``pipeline`` (where an input pipeline's map made a NaN: its op and line),
+``update`` (a NaN written by the update, not by the gradient), ``initial`` (weights not
+finite before any step: which layer, which variable, what set them),
 ``rewrites`` (the remedy written against the user's line, and the clamp that applies it
 to the calls from that line for a re-run), ``line_rewrite`` (a remedy that rewrites the
 user's statement, applied for one re-run), ``user_line`` (how the user's line spells an

@@ -2,7 +2,8 @@
 
 For a divergence (values that grew over the previous steps), a learning rate at or below
 0, a schedule that explodes or keeps rising, and targets made from the model's own
-outputs, the remedy is the optimizer changed: a learning rate ten times smaller,
+outputs, the remedy is the optimizer changed: a learning rate ten times smaller, a
+positive learning rate (for a rate, not a schedule object, at or below 0),
 ``clipnorm=1.0``, or the schedule fixed (a Keras schedule's argument, or the ``return``
 line of the user's own schedule clipped into the rates it gave before). Each is checked
 by re-running the training steps (:class:`Steps`: from the earliest state the doctor

@@ -65,9 +65,13 @@ def test_ci_runs_the_stacks_after_the_locked_suite():
     # The unit tests of both stacks, whichever lane runs them.
     assert "STACKS_PHASE=test STACKS_PARTS=unit bash .ci/stacks.sh colab" in ci
     assert "STACKS_PHASE=test STACKS_PARTS=unit bash .ci/stacks.sh oldest" in ci
-    # The chapters on Colab's stack, where readers run them (DESIGN.md); the oldest stack
-    # is the package's floor: its unit tests.
+    # The chapters on Colab's stack, where readers run them; the oldest stack is the
+    # package's floor for users' own code: its unit tests (its pins say so, for
+    # `bash .ci/stacks.sh` run alone, as the workflow's stacks job does).
     assert "STACKS_PHASE=test STACKS_PARTS=chapters bash .ci/stacks.sh colab ||" in ci
+    pins = (book_tools.ROOT / ".ci" / "stacks" / "oldest.txt").read_text()
+    assert re.search(r"^# *chapters: *no", pins, re.M) and "chapters: no" not in (
+        book_tools.ROOT / ".ci" / "stacks" / "colab.txt").read_text()
 
 
 def test_ci_runs_keras_tests_of_fit_through_train_on_the_lock_and_the_colab_stack():
